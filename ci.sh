@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The one command that installs, builds and tests everything, on a fresh
+# machine or a developer's. CI runs it through .ci/run.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+step() { printf '\n==> %s\n' "$*"; }
+started=$(date +%s)
+
+step "toolchain: $(cargo --version)"
+for component in rustfmt clippy; do
+    rustup component list --installed 2>/dev/null | grep -q "^$component" \
+        || { echo "rustup component $component is missing: rustup component add $component"; exit 1; }
+done
+
+step "guests: building every Rust guest to a wasm32-wasip2 component"
+guests/build.sh
+
+step "format"
+cargo fmt --all -- --check
+cargo fmt --manifest-path guests/Cargo.toml --all -- --check
+
+step "lint"
+cargo clippy --workspace --all-targets -- -D warnings
+
+step "tests (benches run once each as smoke tests)"
+cargo test --workspace --all-targets
+
+step "done in $(( $(date +%s) - started )) s"

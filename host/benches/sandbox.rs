@@ -1,0 +1,206 @@
+//! Instantiate-plus-call cost of a fresh sandbox, per call:
+//! - `tool/echo`: the trivial `echo` tool of `echo-tool`;
+//! - `runner/run-model-step-50`: the scripted runner, given a turn context of
+//!   50 messages.
+//!
+//! Run: `guests/build.sh && cargo bench -p dexa --bench sandbox`. Besides
+//! criterion's report it prints p50/p99 over a fixed number of calls.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, Criterion};
+use dexa::plugin::wit::{
+    AgentMessage, DeferredToolExecution, MessageRole, ToolCallRecord, ToolCallStatus, ToolEffect,
+    ToolPolicy, TurnContext,
+};
+use dexa::plugin::{
+    CallEnv, ComponentSettings, RunnerComponent, SandboxConfig, SandboxEngine, StepTag,
+    ToolComponent,
+};
+
+fn guest(name: &str) -> Vec<u8> {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../target/guests")
+        .join(format!("{name}.wasm"));
+    std::fs::read(&path).unwrap_or_else(|err| {
+        panic!(
+            "cannot read {} ({err}); build the guests with guests/build.sh",
+            path.display()
+        )
+    })
+}
+
+fn env() -> CallEnv {
+    CallEnv::new(StepTag {
+        flow_id: "bench".into(),
+        turn_id: "turn-1".into(),
+        step_execution_id: "step".into(),
+        attempt: 1,
+    })
+}
+
+fn echo_call() -> DeferredToolExecution {
+    DeferredToolExecution {
+        flow_id: "bench".into(),
+        turn_id: "turn-1".into(),
+        tool_call: ToolCallRecord {
+            tool_call_id: "c1".into(),
+            tool_name: "echo".into(),
+            arguments: r#"{"q":"hello"}"#.into(),
+            policy: ToolPolicy {
+                effect: ToolEffect::Read,
+                requires_approval: false,
+            },
+            status: ToolCallStatus::Approved,
+            output: None,
+            error: None,
+            rejection_message: None,
+            deferral_order: 0,
+        },
+        idempotency_key: "bench/turn-1/c1".into(),
+        attempt: 1,
+    }
+}
+
+fn turn_of_50_messages() -> TurnContext {
+    let messages = (1..=50u64)
+        .map(|n| AgentMessage {
+            sequence: n,
+            turn_id: format!("turn-{}", n.div_ceil(2)),
+            role: if n % 2 == 1 {
+                MessageRole::User
+            } else {
+                MessageRole::Assistant
+            },
+            framework_item: format!(
+                r#"{{"type":"text","text":"message number {n} of the conversation"}}"#
+            ),
+            text: Some(format!("message number {n} of the conversation")),
+        })
+        .collect();
+    TurnContext {
+        flow_id: "bench".into(),
+        turn_id: "turn-25".into(),
+        attempt: 1,
+        messages,
+        framework_run_state: None,
+        tool_calls: Vec::new(),
+        tools: Vec::new(),
+    }
+}
+
+struct Fixture {
+    rt: tokio::runtime::Runtime,
+    tool: ToolComponent,
+    runner: RunnerComponent,
+    call: DeferredToolExecution,
+    turn: TurnContext,
+}
+
+impl Fixture {
+    fn new() -> Self {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let cache =
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/bench-component-cache");
+        let engine = SandboxEngine::new(SandboxConfig {
+            cache_dir: Some(cache),
+            ..SandboxConfig::default()
+        })
+        .expect("engine");
+        let tool = rt
+            .block_on(engine.load_tool(&guest("echo-tool"), ComponentSettings::named("echo-tool")))
+            .expect("echo-tool");
+        let runner = engine
+            .load_runner(
+                &guest("scripted-runner"),
+                ComponentSettings::named("scripted-runner"),
+            )
+            .expect("scripted-runner");
+        Self {
+            rt,
+            tool,
+            runner,
+            call: echo_call(),
+            turn: turn_of_50_messages(),
+        }
+    }
+
+    fn echo_once(&self) {
+        let output = self
+            .rt
+            .block_on(self.tool.call(env(), &self.call))
+            .expect("call")
+            .expect("output");
+        assert_eq!(output.len(), 13);
+    }
+
+    fn run_model_step_once(&self) {
+        let outcome = self
+            .rt
+            .block_on(self.runner.run_model_step(env(), &self.turn))
+            .expect("call");
+        assert!(outcome.is_ok(), "{outcome:?}");
+    }
+}
+
+fn bench_sandbox(c: &mut Criterion) {
+    let fixture = Fixture::new();
+    let mut group = c.benchmark_group("sandbox");
+    group.bench_function("tool/echo", |b| b.iter(|| fixture.echo_once()));
+    group.bench_function("runner/run-model-step-50", |b| {
+        b.iter(|| fixture.run_model_step_once())
+    });
+    group.finish();
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    let index = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[index.min(sorted.len() - 1)]
+}
+
+type BenchCase<'a> = &'a dyn Fn(&Fixture);
+
+/// Times each call on its own and prints p50/p99 and throughput.
+fn report_percentiles(samples: usize) {
+    let fixture = Fixture::new();
+    let cases: [(&str, BenchCase); 2] = [
+        ("tool/echo", &|f: &Fixture| f.echo_once()),
+        ("runner/run-model-step-50", &|f: &Fixture| {
+            f.run_model_step_once()
+        }),
+    ];
+    for (name, run) in cases {
+        for _ in 0..samples.min(200) {
+            run(&fixture);
+        }
+        let mut times = Vec::with_capacity(samples);
+        let started = Instant::now();
+        for _ in 0..samples {
+            let t = Instant::now();
+            run(&fixture);
+            times.push(t.elapsed());
+        }
+        let total = started.elapsed();
+        times.sort();
+        println!(
+            "sandbox/{name}: p50 {:.1} µs, p99 {:.1} µs, {:.0} calls/s over {samples} calls",
+            percentile(&times, 0.50).as_secs_f64() * 1e6,
+            percentile(&times, 0.99).as_secs_f64() * 1e6,
+            samples as f64 / total.as_secs_f64(),
+        );
+    }
+}
+
+criterion_group!(benches, bench_sandbox);
+
+fn main() {
+    // `cargo test --benches` runs this without `--bench`: keep it a smoke run.
+    let benchmarking = std::env::args().any(|arg| arg == "--bench");
+    benches();
+    report_percentiles(if benchmarking { 5_000 } else { 20 });
+    Criterion::default().configure_from_args().final_summary();
+}

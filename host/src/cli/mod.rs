@@ -1,0 +1,217 @@
+//! The `dexa` command line.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::plugin::wit::{
+    DeferredToolExecution, ToolCallRecord, ToolCallStatus, ToolEffect, ToolPolicy,
+};
+use crate::plugin::{
+    CallEnv, ComponentSettings, DirAccess, Grants, SandboxConfig, SandboxEngine, StepTag,
+};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "dexa",
+    version,
+    about = "Durable agent sessions with sandboxed WebAssembly runners and tools"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Work with a single component: check it, list its tools, call it.
+    #[command(subcommand)]
+    Component(ComponentCommand),
+}
+
+#[derive(Subcommand, Debug)]
+pub enum ComponentCommand {
+    /// Load a component, check that it implements its world, and describe it.
+    Inspect(InspectArgs),
+    /// Call one tool of a tool component in a fresh sandbox.
+    Call(CallArgs),
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug)]
+pub enum WorldArg {
+    Runner,
+    Tool,
+}
+
+#[derive(Args, Debug)]
+pub struct EngineArgs {
+    /// Where compiled components are cached.
+    #[arg(long, default_value = ".dexa/cache/components", env = "DEXA_CACHE_DIR")]
+    pub cache_dir: PathBuf,
+}
+
+#[derive(Args, Debug)]
+pub struct InspectArgs {
+    /// The component file (.wasm).
+    pub path: PathBuf,
+    /// The world it should implement.
+    #[arg(long, value_enum, default_value = "tool")]
+    pub world: WorldArg,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+}
+
+#[derive(Args, Debug)]
+pub struct CallArgs {
+    /// The tool component file (.wasm).
+    pub path: PathBuf,
+    /// The tool to call.
+    pub tool: String,
+    /// The arguments, as JSON text.
+    #[arg(long, default_value = "{}")]
+    pub args: String,
+    /// Grant a directory: HOST:GUEST, or HOST:GUEST:ro for read-only.
+    #[arg(long = "dir")]
+    pub dirs: Vec<String>,
+    /// A config value: KEY=VALUE.
+    #[arg(long = "config")]
+    pub config: Vec<String>,
+    /// Stop the call after this many seconds.
+    #[arg(long, default_value_t = 60)]
+    pub timeout_secs: u64,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+}
+
+fn engine(args: &EngineArgs) -> anyhow::Result<SandboxEngine> {
+    SandboxEngine::new(SandboxConfig {
+        cache_dir: Some(args.cache_dir.clone()),
+        ..SandboxConfig::default()
+    })
+}
+
+fn parse_dir(spec: &str) -> anyhow::Result<(PathBuf, String, DirAccess)> {
+    let parts: Vec<&str> = spec.split(':').collect();
+    match parts.as_slice() {
+        [host, guest] => Ok((host.into(), guest.to_string(), DirAccess::ReadWrite)),
+        [host, guest, "ro"] => Ok((host.into(), guest.to_string(), DirAccess::ReadOnly)),
+        [host, guest, "rw"] => Ok((host.into(), guest.to_string(), DirAccess::ReadWrite)),
+        _ => bail!("--dir {spec:?}: expected HOST:GUEST or HOST:GUEST:ro"),
+    }
+}
+
+fn component_name(path: &std::path::Path) -> String {
+    path.file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "component".to_string())
+}
+
+pub async fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Component(ComponentCommand::Inspect(args)) => inspect(args).await,
+        Command::Component(ComponentCommand::Call(args)) => call(args).await,
+    }
+}
+
+async fn inspect(args: InspectArgs) -> anyhow::Result<()> {
+    let engine = engine(&args.engine)?;
+    let settings = ComponentSettings::named(component_name(&args.path));
+    let report = match args.world {
+        WorldArg::Runner => {
+            let runner = engine.load_runner_file(&args.path, settings)?;
+            let info = runner.info();
+            serde_json::json!({
+                "name": info.name, "world": info.world.name(), "sha256": info.sha256,
+                "cache": format!("{:?}", info.cache).to_lowercase(),
+            })
+        }
+        WorldArg::Tool => {
+            let tool = engine.load_tool_file(&args.path, settings).await?;
+            let info = tool.info();
+            let tools: Vec<_> = tool
+                .tools()
+                .iter()
+                .map(|t| {
+                    serde_json::json!({
+                        "name": t.name, "description": t.description,
+                        "effect": t.effect.map(|e| format!("{e:?}")),
+                    })
+                })
+                .collect();
+            serde_json::json!({
+                "name": info.name, "world": info.world.name(), "sha256": info.sha256,
+                "cache": format!("{:?}", info.cache).to_lowercase(), "tools": tools,
+            })
+        }
+    };
+    println!("{}", serde_json::to_string_pretty(&report)?);
+    Ok(())
+}
+
+async fn call(args: CallArgs) -> anyhow::Result<()> {
+    let engine = engine(&args.engine)?;
+    let mut grants = Grants::none();
+    for spec in &args.dirs {
+        let (host, guest, access) = parse_dir(spec)?;
+        grants = grants.dir(host, guest, access);
+    }
+    let mut config = BTreeMap::new();
+    for pair in &args.config {
+        let (key, value) = pair
+            .split_once('=')
+            .with_context(|| format!("--config {pair:?}: expected KEY=VALUE"))?;
+        config.insert(key.to_string(), value.to_string());
+    }
+    let settings = ComponentSettings::named(component_name(&args.path))
+        .with_grants(grants)
+        .with_config(config);
+    let tool = engine.load_tool_file(&args.path, settings).await?;
+    let spec = tool
+        .tools()
+        .iter()
+        .find(|t| t.name == args.tool)
+        .with_context(|| {
+            let names: Vec<_> = tool.tools().iter().map(|t| t.name.as_str()).collect();
+            format!(
+                "the component serves no tool {:?}; it serves {names:?}",
+                args.tool
+            )
+        })?;
+    let effect = spec.effect.unwrap_or(ToolEffect::Unclassified);
+    let execution = DeferredToolExecution {
+        flow_id: "cli".to_string(),
+        turn_id: "turn-1".to_string(),
+        tool_call: ToolCallRecord {
+            tool_call_id: "call-1".to_string(),
+            tool_name: args.tool.clone(),
+            arguments: args.args.clone(),
+            policy: ToolPolicy {
+                effect,
+                requires_approval: false,
+            },
+            status: ToolCallStatus::Approved,
+            output: None,
+            error: None,
+            rejection_message: None,
+            deferral_order: 0,
+        },
+        idempotency_key: "cli/turn-1/call-1".to_string(),
+        attempt: 1,
+    };
+    let env = CallEnv::new(StepTag {
+        flow_id: "cli".to_string(),
+        turn_id: "turn-1".to_string(),
+        step_execution_id: "cli-call".to_string(),
+        attempt: 1,
+    })
+    .with_timeout(std::time::Duration::from_secs(args.timeout_secs));
+    match tool.call(env, &execution).await? {
+        Ok(output) => {
+            println!("{output}");
+            Ok(())
+        }
+        Err(err) => bail!("the tool returned an error: {err:?}"),
+    }
+}

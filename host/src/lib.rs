@@ -1,0 +1,9 @@
+//! dexa: a host for durable AI-agent sessions whose runner and tools are
+//! sandboxed WebAssembly components.
+//!
+//! Layers, each depending only on those listed before it:
+//! - [`plugin`]: the wasmtime layer (engine, cache, sandboxed calls, grants);
+//! - [`cli`]: the `dexa` command line.
+
+pub mod cli;
+pub mod plugin;

@@ -1,0 +1,421 @@
+//! Loading components: compile (or load from the cache), check the world,
+//! link once into an `InstancePre`, and call exports in fresh instances.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use wasmtime::component::{Component, HasSelf, Linker};
+
+use super::bindings::runner::{Runner, RunnerPre};
+use super::bindings::tool::{Tool, ToolPre};
+use super::bindings::wit::{
+    DeferredToolExecution, FrameworkMessage, ToolError, ToolSpec, TurnContext, TurnOutcome,
+};
+use super::cache::{compile, sha256_hex, CacheOutcome};
+use super::call::{with_deadline, Call, CallEnv, CallState, ComponentLimits};
+use super::engine::SandboxEngine;
+use super::error::{CallError, LoadError};
+use super::factors::config::ComponentConfig;
+use super::factors::step::StepTag;
+use super::grants::Grants;
+
+/// How the operator set up one component.
+#[derive(Clone, Debug, Default)]
+pub struct ComponentSettings {
+    /// The name used in logs and errors.
+    pub name: String,
+    pub grants: Grants,
+    pub limits: ComponentLimits,
+    /// Values the guest reads through `config.get`.
+    pub config: ComponentConfig,
+}
+
+impl ComponentSettings {
+    /// No grants, default limits, empty config.
+    pub fn named(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            ..Self::default()
+        }
+    }
+
+    pub fn with_grants(mut self, grants: Grants) -> Self {
+        self.grants = grants;
+        self
+    }
+
+    pub fn with_limits(mut self, limits: ComponentLimits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    pub fn with_config(mut self, config: BTreeMap<String, String>) -> Self {
+        self.config = Arc::new(config);
+        self
+    }
+}
+
+/// The two worlds of `dex:agents`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum World {
+    Runner,
+    Tool,
+}
+
+impl World {
+    pub fn name(self) -> &'static str {
+        match self {
+            World::Runner => "dex:agents/runner@0.1.0",
+            World::Tool => "dex:agents/tool@0.1.0",
+        }
+    }
+
+    fn required_exports(self) -> &'static [&'static str] {
+        match self {
+            World::Runner => &[
+                "build-user-message",
+                "run-model-step",
+                "execute-deferred-tool-call",
+            ],
+            World::Tool => &["list-tools", "call"],
+        }
+    }
+}
+
+/// Identity and provenance of a loaded component.
+#[derive(Clone, Debug)]
+pub struct ComponentInfo {
+    pub name: String,
+    pub sha256: String,
+    pub world: World,
+    /// Whether this load compiled the component or took it from the cache.
+    pub cache: CacheOutcome,
+}
+
+struct Compiled {
+    component: Component,
+    info: ComponentInfo,
+}
+
+impl SandboxEngine {
+    fn compile_for(
+        &self,
+        world: World,
+        wasm: &[u8],
+        settings: &ComponentSettings,
+    ) -> Result<Compiled, LoadError> {
+        let name = settings.name.clone();
+        settings
+            .grants
+            .validate()
+            .map_err(|reason| LoadError::Grant {
+                name: name.clone(),
+                reason,
+            })?;
+        let sha256 = sha256_hex(wasm);
+        let (component, cache) = match self.cache() {
+            Some(cache) => cache.load_or_compile(self.engine(), &name, &sha256, wasm),
+            None => compile(self.engine(), &name, wasm)
+                .map(|component| (component, CacheOutcome::CompiledUncached)),
+        }
+        .map_err(|reason| LoadError::Compile {
+            name: name.clone(),
+            reason,
+        })?;
+        self.check_exports(world, &name, &component)?;
+        Ok(Compiled {
+            component,
+            info: ComponentInfo {
+                name,
+                sha256,
+                world,
+                cache,
+            },
+        })
+    }
+
+    /// Names the missing exports, which says more than a failed type lookup.
+    fn check_exports(
+        &self,
+        world: World,
+        name: &str,
+        component: &Component,
+    ) -> Result<(), LoadError> {
+        let exported: Vec<String> = component
+            .component_type()
+            .exports(self.engine())
+            .map(|(export, _)| export.to_string())
+            .collect();
+        let missing: Vec<&str> = world
+            .required_exports()
+            .iter()
+            .copied()
+            .filter(|required| !exported.iter().any(|e| e == required))
+            .collect();
+        if missing.is_empty() {
+            return Ok(());
+        }
+        let quote = |names: Vec<String>| {
+            if names.is_empty() {
+                "nothing".to_string()
+            } else {
+                names
+                    .iter()
+                    .map(|n| format!("`{n}`"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            }
+        };
+        Err(LoadError::WrongWorld {
+            name: name.to_string(),
+            world: world.name(),
+            missing: quote(missing.into_iter().map(str::to_string).collect()),
+            found: quote(exported),
+        })
+    }
+
+    fn linker(&self, world: World) -> wasmtime::Result<Linker<CallState>> {
+        let mut linker = Linker::new(self.engine());
+        wasmtime_wasi::p2::add_to_linker_async(&mut linker)?;
+        match world {
+            World::Runner => Runner::add_to_linker::<_, HasSelf<_>>(&mut linker, |s| s)?,
+            World::Tool => Tool::add_to_linker::<_, HasSelf<_>>(&mut linker, |s| s)?,
+        }
+        Ok(linker)
+    }
+
+    fn link_error(world: World, name: &str, err: wasmtime::Error) -> LoadError {
+        LoadError::Link {
+            name: name.to_string(),
+            world: world.name(),
+            reason: format!("{err:#}"),
+        }
+    }
+
+    /// Loads a runner component from its bytes.
+    pub fn load_runner(
+        &self,
+        wasm: &[u8],
+        settings: ComponentSettings,
+    ) -> Result<RunnerComponent, LoadError> {
+        let world = World::Runner;
+        let compiled = self.compile_for(world, wasm, &settings)?;
+        let name = &settings.name;
+        let instance_pre = self
+            .linker(world)
+            .and_then(|linker| linker.instantiate_pre(&compiled.component))
+            .map_err(|err| Self::link_error(world, name, err))?;
+        let pre = RunnerPre::new(instance_pre).map_err(|err| Self::link_error(world, name, err))?;
+        Ok(RunnerComponent {
+            engine: self.clone(),
+            settings: Arc::new(settings),
+            info: compiled.info,
+            pre,
+        })
+    }
+
+    /// Loads a tool component from its bytes and asks it for its tools.
+    pub async fn load_tool(
+        &self,
+        wasm: &[u8],
+        settings: ComponentSettings,
+    ) -> Result<ToolComponent, LoadError> {
+        let world = World::Tool;
+        let compiled = self.compile_for(world, wasm, &settings)?;
+        let name = settings.name.clone();
+        let instance_pre = self
+            .linker(world)
+            .and_then(|linker| linker.instantiate_pre(&compiled.component))
+            .map_err(|err| Self::link_error(world, &name, err))?;
+        let pre = ToolPre::new(instance_pre).map_err(|err| Self::link_error(world, &name, err))?;
+        let mut tool = ToolComponent {
+            engine: self.clone(),
+            settings: Arc::new(settings),
+            info: compiled.info,
+            pre,
+            tools: Vec::new(),
+        };
+        let env = CallEnv::new(StepTag {
+            flow_id: String::new(),
+            turn_id: String::new(),
+            step_execution_id: format!("load:{name}"),
+            attempt: 1,
+        })
+        .with_timeout(std::time::Duration::from_secs(30));
+        tool.tools = tool
+            .list_tools(env)
+            .await
+            .map_err(|source| LoadError::ListTools {
+                name,
+                source: Box::new(source),
+            })?;
+        Ok(tool)
+    }
+
+    /// Loads a runner component from a file.
+    pub fn load_runner_file(
+        &self,
+        path: &Path,
+        settings: ComponentSettings,
+    ) -> Result<RunnerComponent, LoadError> {
+        let wasm = read_component(path)?;
+        self.load_runner(&wasm, settings)
+    }
+
+    /// Loads a tool component from a file.
+    pub async fn load_tool_file(
+        &self,
+        path: &Path,
+        settings: ComponentSettings,
+    ) -> Result<ToolComponent, LoadError> {
+        let wasm = read_component(path)?;
+        self.load_tool(&wasm, settings).await
+    }
+}
+
+fn read_component(path: &Path) -> Result<Vec<u8>, LoadError> {
+    std::fs::read(path).map_err(|source| LoadError::Read {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// A loaded runner. Each call runs in a new instance.
+pub struct RunnerComponent {
+    engine: SandboxEngine,
+    settings: Arc<ComponentSettings>,
+    info: ComponentInfo,
+    pre: RunnerPre<CallState>,
+}
+
+impl RunnerComponent {
+    pub fn info(&self) -> &ComponentInfo {
+        &self.info
+    }
+
+    fn begin(
+        &self,
+        env: CallEnv,
+        export: &'static str,
+        model_allowed: bool,
+    ) -> Result<Call, CallError> {
+        Call::begin(&self.engine, &self.settings, env, export, model_allowed)
+    }
+
+    async fn instantiate(&self, call: &mut Call) -> Result<Runner, CallError> {
+        let component = &self.settings.name;
+        self.pre
+            .instantiate_async(&mut call.store)
+            .await
+            .map_err(|err| CallError::Instantiate {
+                component: component.clone(),
+                reason: format!("{err:#}"),
+            })
+    }
+
+    /// `build-user-message`.
+    pub async fn build_user_message(
+        &self,
+        env: CallEnv,
+        text: &str,
+    ) -> Result<FrameworkMessage, CallError> {
+        let mut call = self.begin(env, "build-user-message", false)?;
+        let runner = self.instantiate(&mut call).await?;
+        let result = with_deadline(
+            call.timeout,
+            runner.call_build_user_message(&mut call.store, text),
+        )
+        .await;
+        call.finish(result)
+    }
+
+    /// `run-model-step`. The only export that may call the model.
+    pub async fn run_model_step(
+        &self,
+        env: CallEnv,
+        turn: &TurnContext,
+    ) -> Result<Result<TurnOutcome, String>, CallError> {
+        let mut call = self.begin(env, "run-model-step", true)?;
+        let runner = self.instantiate(&mut call).await?;
+        let result = with_deadline(
+            call.timeout,
+            runner.call_run_model_step(&mut call.store, turn),
+        )
+        .await;
+        call.finish(result)
+    }
+
+    /// `execute-deferred-tool-call`.
+    pub async fn execute_deferred_tool_call(
+        &self,
+        env: CallEnv,
+        execution: &DeferredToolExecution,
+    ) -> Result<Result<String, ToolError>, CallError> {
+        let mut call = self.begin(env, "execute-deferred-tool-call", false)?;
+        let runner = self.instantiate(&mut call).await?;
+        let result = with_deadline(
+            call.timeout,
+            runner.call_execute_deferred_tool_call(&mut call.store, execution),
+        )
+        .await;
+        call.finish(result)
+    }
+}
+
+/// A loaded tool component and the tools it serves. Each call runs in a new
+/// instance.
+pub struct ToolComponent {
+    engine: SandboxEngine,
+    settings: Arc<ComponentSettings>,
+    info: ComponentInfo,
+    pre: ToolPre<CallState>,
+    tools: Vec<ToolSpec>,
+}
+
+impl ToolComponent {
+    pub fn info(&self) -> &ComponentInfo {
+        &self.info
+    }
+
+    /// The tools `list-tools` returned at load.
+    pub fn tools(&self) -> &[ToolSpec] {
+        &self.tools
+    }
+
+    /// Whether this component serves `tool_name`.
+    pub fn serves(&self, tool_name: &str) -> bool {
+        self.tools.iter().any(|tool| tool.name == tool_name)
+    }
+
+    async fn instantiate(&self, call: &mut Call) -> Result<Tool, CallError> {
+        let component = &self.settings.name;
+        self.pre
+            .instantiate_async(&mut call.store)
+            .await
+            .map_err(|err| CallError::Instantiate {
+                component: component.clone(),
+                reason: format!("{err:#}"),
+            })
+    }
+
+    /// `list-tools`, in a fresh instance.
+    pub async fn list_tools(&self, env: CallEnv) -> Result<Vec<ToolSpec>, CallError> {
+        let mut call = Call::begin(&self.engine, &self.settings, env, "list-tools", false)?;
+        let tool = self.instantiate(&mut call).await?;
+        let result = with_deadline(call.timeout, tool.call_list_tools(&mut call.store)).await;
+        call.finish(result)
+    }
+
+    /// `call`, in a fresh instance.
+    pub async fn call(
+        &self,
+        env: CallEnv,
+        execution: &DeferredToolExecution,
+    ) -> Result<Result<String, ToolError>, CallError> {
+        let mut call = Call::begin(&self.engine, &self.settings, env, "call", false)?;
+        let tool = self.instantiate(&mut call).await?;
+        let result = with_deadline(call.timeout, tool.call_call(&mut call.store, execution)).await;
+        call.finish(result)
+    }
+}

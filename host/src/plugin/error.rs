@@ -1,0 +1,82 @@
+//! Typed errors of the plugin layer.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Why a component could not be loaded. Loading never panics on bad input.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("cannot read component {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("component `{name}` is not a valid WebAssembly component: {reason}")]
+    Compile { name: String, reason: String },
+    #[error(
+        "component `{name}` does not implement world `{world}`: missing export(s) {missing}; it exports {found}"
+    )]
+    WrongWorld {
+        name: String,
+        world: &'static str,
+        missing: String,
+        found: String,
+    },
+    #[error("component `{name}` cannot be linked as `{world}`: {reason}")]
+    Link {
+        name: String,
+        world: &'static str,
+        reason: String,
+    },
+    #[error("component `{name}`: grant is invalid: {reason}")]
+    Grant { name: String, reason: String },
+    #[error("component `{name}`: `list-tools` failed at load: {source}")]
+    ListTools {
+        name: String,
+        #[source]
+        source: Box<CallError>,
+    },
+}
+
+/// Why a call into a guest produced no result. The guest's own `result`
+/// errors are not here: they come back as the export's value.
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    #[error(
+        "component `{component}`: `{export}` trapped: {reason}{}",
+        stderr_suffix(guest_stderr)
+    )]
+    Trapped {
+        component: String,
+        export: &'static str,
+        reason: String,
+        /// What the guest wrote to stderr (a Rust panic message, for example).
+        guest_stderr: String,
+    },
+    #[error(
+        "component `{component}`: `{export}` ran past its deadline of {timeout:?} and was stopped"
+    )]
+    TimedOut {
+        component: String,
+        export: &'static str,
+        timeout: Duration,
+    },
+    #[error("component `{component}`: `{export}` exceeded a limit: {reason}")]
+    LimitExceeded {
+        component: String,
+        export: &'static str,
+        reason: String,
+    },
+    #[error("component `{component}`: cannot start an instance: {reason}")]
+    Instantiate { component: String, reason: String },
+}
+
+fn stderr_suffix(stderr: &str) -> String {
+    let trimmed = stderr.trim();
+    if trimmed.is_empty() {
+        String::new()
+    } else {
+        format!("; guest stderr: {trimmed}")
+    }
+}

@@ -1,0 +1,31 @@
+//! The wasmtime layer: the engine, the compiled-artifact cache, loading runner
+//! and tool components, and calling them, each call in a fresh sandbox.
+//!
+//! - [`SandboxEngine`]: one per process; pooling allocator, epoch deadlines.
+//! - [`RunnerComponent`] and [`ToolComponent`]: a loaded component with one
+//!   `InstancePre`; every call gets a new `Store` and instance.
+//! - [`factors`]: the host capabilities behind the WIT imports, one module each.
+//! - [`Grants`] and [`ComponentLimits`]: what a component may reach and use.
+
+pub mod bindings;
+pub mod cache;
+mod call;
+mod component;
+pub mod engine;
+pub mod error;
+pub mod factors;
+pub mod grants;
+
+pub use bindings::wit;
+pub use cache::CacheOutcome;
+pub use call::{CallEnv, CallState, ComponentLimits};
+pub use component::{ComponentInfo, ComponentSettings, RunnerComponent, ToolComponent, World};
+pub use engine::{SandboxConfig, SandboxEngine};
+pub use error::{CallError, LoadError};
+pub use factors::events::{EventSink, EventWriter, GuestEvent, TaggedEvent};
+pub use factors::model::{ModelProvider, ScriptedModelProvider};
+pub use factors::policy::{
+    describe_tool_call_outcome, ToolPolicies, ToolPolicyOverride, ToolPolicyResolver,
+};
+pub use factors::step::{HeartbeatSink, StepTag};
+pub use grants::{DirAccess, DirGrant, Grants};
