@@ -2,8 +2,12 @@
 //! sandboxed WebAssembly components.
 //!
 //! Layers, each depending only on those listed before it:
+//! - [`flow`]: the generic durable Flow engine and its storage trait;
+//! - [`store`]: the storage backends (embedded SQLite);
 //! - [`plugin`]: the wasmtime layer (engine, cache, sandboxed calls, grants);
 //! - [`cli`]: the `dexa` command line.
 
 pub mod cli;
+pub mod flow;
 pub mod plugin;
+pub mod store;

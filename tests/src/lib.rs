@@ -5,6 +5,8 @@
 //!   guest sent, with the Step tags the host attached;
 //! - [`step_tag`]: a tag for a test call.
 
+pub mod toy;
+
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;

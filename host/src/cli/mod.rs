@@ -1,5 +1,7 @@
 //! The `dexa` command line.
 
+pub mod bench;
+
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
@@ -29,6 +31,16 @@ pub enum Command {
     /// Work with a single component: check it, list its tools, call it.
     #[command(subcommand)]
     Component(ComponentCommand),
+    /// Measure the engine (build with --release for real numbers).
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Subcommand, Debug)]
+pub enum BenchCommand {
+    /// Durable no-op Steps on the embedded SQLite store: throughput,
+    /// claim-to-commit latency, wake latency.
+    Engine(bench::EngineBenchArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -112,6 +124,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Component(ComponentCommand::Inspect(args)) => inspect(args).await,
         Command::Component(ComponentCommand::Call(args)) => call(args).await,
+        Command::Bench(BenchCommand::Engine(args)) => bench::run(args).await,
     }
 }
 

@@ -1,0 +1,174 @@
+//! What a Step handler sees while it runs.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use serde::de::DeserializeOwned;
+
+use super::registry::StepError;
+use super::store::FlowStore;
+use super::types::{ChannelMessage, ClaimedTask, Json, MapQuery, StoreMillis, Versioned};
+
+/// Liveness of one running Step. Cheap to clone; `beat` is synchronous so that
+/// host imports can call it.
+#[derive(Clone)]
+pub struct Heartbeat {
+    inner: Arc<HeartbeatInner>,
+}
+
+struct HeartbeatInner {
+    last_beat: Mutex<Instant>,
+    /// Set by `beat`; the worker records output durably and clears it.
+    unrecorded: AtomicBool,
+}
+
+impl Heartbeat {
+    pub(crate) fn new() -> Self {
+        Self {
+            inner: Arc::new(HeartbeatInner {
+                last_beat: Mutex::new(Instant::now()),
+                unrecorded: AtomicBool::new(false),
+            }),
+        }
+    }
+
+    /// Records liveness. The worker persists it with its next lease renewal.
+    pub fn beat(&self) {
+        if let Ok(mut last) = self.inner.last_beat.lock() {
+            *last = Instant::now();
+        }
+        self.inner.unrecorded.store(true, Ordering::Release);
+    }
+
+    pub(crate) fn last_beat(&self) -> Instant {
+        self.inner
+            .last_beat
+            .lock()
+            .map(|last| *last)
+            .unwrap_or_else(|_| Instant::now())
+    }
+
+    pub(crate) fn take_unrecorded(&self) -> bool {
+        self.inner.unrecorded.swap(false, Ordering::AcqRel)
+    }
+}
+
+/// The running Step: its task, read access to committed state, heartbeats.
+#[derive(Clone)]
+pub struct StepContext {
+    task: Arc<ClaimedTask>,
+    store: Arc<dyn FlowStore>,
+    heartbeat: Heartbeat,
+}
+
+impl StepContext {
+    pub(crate) fn new(
+        task: Arc<ClaimedTask>,
+        store: Arc<dyn FlowStore>,
+        heartbeat: Heartbeat,
+    ) -> Self {
+        Self {
+            task,
+            store,
+            heartbeat,
+        }
+    }
+
+    pub fn task(&self) -> &ClaimedTask {
+        &self.task
+    }
+
+    pub fn flow_id(&self) -> &str {
+        &self.task.flow_id
+    }
+
+    pub fn input(&self) -> &Json {
+        &self.task.input
+    }
+
+    pub fn attempt(&self) -> u32 {
+        self.task.attempt
+    }
+
+    pub fn step_execution_id(&self) -> &str {
+        &self.task.step_execution_id
+    }
+
+    /// The messages that satisfied the Step's wait; consumed when it commits.
+    pub fn messages(&self) -> &[ChannelMessage] {
+        &self.task.messages
+    }
+
+    /// Whether the wait's timer was due when the Step was claimed.
+    pub fn timer_fired(&self) -> bool {
+        self.task.timer_fired
+    }
+
+    /// For a failure-route Step: why the failed Step failed.
+    pub fn failure(&self) -> Option<&str> {
+        self.task.failure.as_deref()
+    }
+
+    pub fn store(&self) -> &Arc<dyn FlowStore> {
+        &self.store
+    }
+
+    /// The store's clock.
+    pub async fn now(&self) -> Result<StoreMillis, StepError> {
+        Ok(self.store.now().await?)
+    }
+
+    /// A handle for synchronous heartbeats (host imports, callbacks).
+    pub fn heartbeat_handle(&self) -> Heartbeat {
+        self.heartbeat.clone()
+    }
+
+    /// Records liveness and waits until the store has recorded that this
+    /// attempt produced output: after this, a lost worker means the next
+    /// attempt, not a redelivery of this one.
+    pub async fn heartbeat(&self) -> Result<(), StepError> {
+        self.heartbeat.beat();
+        self.heartbeat.take_unrecorded();
+        self.store
+            .record_output(self.task.task_id, self.task.lease_token)
+            .await?;
+        Ok(())
+    }
+
+    pub async fn get(&self, name: &str, key: &str) -> Result<Option<Versioned>, StepError> {
+        Ok(self.store.get(&self.task.flow_id, name, key).await?)
+    }
+
+    /// Reads and decodes an Attribute or map entry.
+    pub async fn get_value<T: DeserializeOwned>(
+        &self,
+        name: &str,
+        key: &str,
+    ) -> Result<Option<T>, StepError> {
+        match self.get(name, key).await? {
+            None => Ok(None),
+            Some(versioned) => serde_json::from_value(versioned.value)
+                .map(Some)
+                .map_err(|err| {
+                    StepError::fatal(format!("stored {name}/{key} is unreadable: {err}"))
+                }),
+        }
+    }
+
+    pub async fn read_map(
+        &self,
+        name: &str,
+        query: MapQuery,
+    ) -> Result<Vec<(String, Versioned)>, StepError> {
+        Ok(self.store.read_map(&self.task.flow_id, name, query).await?)
+    }
+
+    /// Appends to a stream now, outside the Step's commit (live events).
+    pub async fn append_stream(&self, stream: &str, payloads: Vec<Json>) -> Result<(), StepError> {
+        self.store
+            .append_stream(&self.task.flow_id, stream, payloads)
+            .await?;
+        Ok(())
+    }
+}

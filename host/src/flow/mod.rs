@@ -1,0 +1,21 @@
+//! The durable Flow engine. It knows nothing of agents: flows of Steps with
+//! retries, timeouts and failure routes; leases with fencing tokens; state
+//! (Attributes, maps, Channels, Timers, Streams); RPCs; step history. Every
+//! Step's result commits in one transaction before it counts as done.
+//!
+//! Storage is behind [`store::FlowStore`]; backends live in `crate::store`.
+
+pub mod client;
+pub mod context;
+pub mod registry;
+pub mod retry;
+pub mod store;
+pub mod types;
+pub mod worker;
+
+pub use client::{FlowClient, FlowError, RPC_LOCK_RETRY};
+pub use context::{Heartbeat, StepContext};
+pub use registry::{FlowType, Registry, RegistryError, StepDef, StepError, StepHandler};
+pub use store::{FlowStore, RpcError, StateTx, StoreError};
+pub use types::*;
+pub use worker::{Worker, WorkerOptions};

@@ -1,0 +1,225 @@
+//! The storage trait every backend implements. The engine's logic (retries,
+//! routing, waits) lives in `flow`; a backend only stores, fences and wakes.
+
+use std::any::Any;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use tokio::sync::Notify;
+
+use super::types::{
+    ClaimedTask, FlowInfo, FlowStatus, Json, MapQuery, NewTask, StateWrite, StepHistoryEntry,
+    StoreMillis, StreamPage, Versioned,
+};
+
+/// Why a store operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The lease was lost: another worker holds the task now, or it is gone.
+    #[error("stale lease for task {task_id}: the commit is refused")]
+    StaleLease { task_id: i64 },
+    #[error("flow {flow_id} already exists")]
+    FlowExists { flow_id: String },
+    #[error("flow {flow_id} does not exist")]
+    NoSuchFlow { flow_id: String },
+    /// Messages the Step consumed were taken by someone else first.
+    #[error("conflict: {0}")]
+    Conflict(String),
+    #[error("corrupt stored value: {0}")]
+    Corrupt(String),
+    #[error("store backend: {0}")]
+    Backend(String),
+}
+
+/// Why an RPC failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RpcError {
+    /// A running Step holds a lock the RPC needs; retry shortly.
+    #[error("lock conflict on {name} of flow {flow_id}")]
+    LockConflict { flow_id: String, name: String },
+    /// The RPC's own logic refused the call.
+    #[error("{0}")]
+    Rejected(String),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// A Step's commit: everything it did, applied in one transaction, fenced by
+/// its lease token.
+#[derive(Clone, Debug)]
+pub struct StepCommit {
+    pub task_id: i64,
+    pub lease_token: i64,
+    pub flow_id: String,
+    /// Channel messages the Step consumed.
+    pub consumed: Vec<i64>,
+    pub writes: Vec<StateWrite>,
+    pub next: Vec<NewTask>,
+    /// Complete the flow now, dropping its other tasks.
+    pub complete_flow: bool,
+    pub history: StepHistoryEntry,
+}
+
+/// What happens to a task after a failed attempt.
+#[derive(Clone, Debug)]
+pub enum FailureAction {
+    /// Try again at `attempt`, not before `not_before`.
+    Retry {
+        attempt: u32,
+        not_before: StoreMillis,
+    },
+    /// Deliver the same attempt again (the worker was lost before it produced
+    /// anything).
+    Redeliver,
+    /// Give up on the task; run `route` (the failure route), if any, else fail
+    /// the flow with `flow_error`.
+    GiveUp {
+        route: Option<Box<NewTask>>,
+        flow_error: String,
+    },
+}
+
+/// A failed attempt, applied fenced by the lease token.
+#[derive(Clone, Debug)]
+pub struct AttemptFailure {
+    pub task_id: i64,
+    pub lease_token: i64,
+    pub flow_id: String,
+    pub action: FailureAction,
+    pub history: StepHistoryEntry,
+    /// Apply only if the lease has also run out (the reaper's case).
+    pub require_expired: bool,
+}
+
+/// A task whose lease ran out.
+#[derive(Clone, Debug)]
+pub struct ExpiredLease {
+    pub task: ClaimedTask,
+    /// Whether the Step recorded output (a heartbeat) before its worker went.
+    pub output_recorded: bool,
+}
+
+/// The state an RPC may read and change, inside one transaction.
+pub trait StateTx {
+    fn now(&self) -> StoreMillis;
+    fn flow(&mut self) -> Result<Option<FlowInfo>, StoreError>;
+    fn get(&mut self, name: &str, key: &str) -> Result<Option<Versioned>, StoreError>;
+    fn set(&mut self, name: &str, key: &str, value: Json) -> Result<i64, StoreError>;
+    fn delete(&mut self, name: &str, key: &str) -> Result<(), StoreError>;
+    /// Fails with a lock conflict while a running Step holds `name`.
+    fn lock(&mut self, name: &str) -> Result<(), RpcError>;
+    fn publish(&mut self, channel: &str, key: &str, payload: Json) -> Result<(), StoreError>;
+    fn channel_len(&mut self, channel: &str, key: &str) -> Result<u64, StoreError>;
+    fn read_map(
+        &mut self,
+        name: &str,
+        query: &MapQuery,
+    ) -> Result<Vec<(String, Versioned)>, StoreError>;
+}
+
+/// The body of an RPC; its value travels back type-erased.
+pub type RpcBody =
+    Box<dyn FnOnce(&mut dyn StateTx) -> Result<Box<dyn Any + Send>, RpcError> + Send>;
+
+/// A durable store for flows.
+#[async_trait]
+pub trait FlowStore: Send + Sync + 'static {
+    /// The store's clock: deadlines and timers use it, not the worker's.
+    async fn now(&self) -> Result<StoreMillis, StoreError>;
+
+    /// Woken when new work may be ready: in-process at once, across
+    /// processes within the backend's poll interval.
+    fn work_signal(&self) -> Arc<Notify>;
+
+    async fn create_flow(
+        &self,
+        flow_id: &str,
+        flow_type: &str,
+        first: NewTask,
+    ) -> Result<(), StoreError>;
+    async fn flow(&self, flow_id: &str) -> Result<Option<FlowInfo>, StoreError>;
+    async fn list_flows(
+        &self,
+        flow_type: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<FlowInfo>, StoreError>;
+    /// Stops a running flow and drops its tasks; its state stays readable.
+    /// False when it was not running.
+    async fn stop_flow(&self, flow_id: &str) -> Result<bool, StoreError>;
+
+    /// Leases up to `max` ready tasks of `flow_types` to `worker_id`.
+    async fn claim(
+        &self,
+        worker_id: &str,
+        flow_types: &[String],
+        max: usize,
+        lease_ms: i64,
+    ) -> Result<Vec<ClaimedTask>, StoreError>;
+    /// Extends the leases a worker holds; returns the task ids it lost.
+    async fn renew_leases(
+        &self,
+        worker_id: &str,
+        held: &[(i64, i64)],
+        lease_ms: i64,
+    ) -> Result<Vec<i64>, StoreError>;
+    /// Records that the Step produced output (a heartbeat), fenced.
+    async fn record_output(&self, task_id: i64, lease_token: i64) -> Result<(), StoreError>;
+    async fn commit_step(&self, commit: StepCommit) -> Result<(), StoreError>;
+    async fn fail_attempt(&self, failure: AttemptFailure) -> Result<(), StoreError>;
+    /// Tasks of `flow_types` whose lease has run out.
+    async fn expired_leases(
+        &self,
+        flow_types: &[String],
+        limit: usize,
+    ) -> Result<Vec<ExpiredLease>, StoreError>;
+    /// The earliest time a task of `flow_types` becomes due (not-before,
+    /// timer or lease expiry), if any.
+    async fn next_due(&self, flow_types: &[String]) -> Result<Option<StoreMillis>, StoreError>;
+
+    async fn get(
+        &self,
+        flow_id: &str,
+        name: &str,
+        key: &str,
+    ) -> Result<Option<Versioned>, StoreError>;
+    async fn read_map(
+        &self,
+        flow_id: &str,
+        name: &str,
+        query: MapQuery,
+    ) -> Result<Vec<(String, Versioned)>, StoreError>;
+    async fn channel_len(&self, flow_id: &str, channel: &str, key: &str)
+        -> Result<u64, StoreError>;
+
+    /// Appends to a stream outside any Step commit (live events).
+    async fn append_stream(
+        &self,
+        flow_id: &str,
+        stream: &str,
+        payloads: Vec<Json>,
+    ) -> Result<Vec<i64>, StoreError>;
+    async fn read_stream(
+        &self,
+        flow_id: &str,
+        stream: &str,
+        after_seq: i64,
+        limit: usize,
+    ) -> Result<StreamPage, StoreError>;
+    /// Sets the byte capacity of a flow's stream (oldest entries are trimmed).
+    async fn set_stream_capacity(
+        &self,
+        flow_id: &str,
+        stream: &str,
+        capacity_bytes: u64,
+    ) -> Result<(), StoreError>;
+
+    async fn step_history(&self, flow_id: &str) -> Result<Vec<StepHistoryEntry>, StoreError>;
+
+    /// Runs `body` in one transaction on `flow_id`'s state.
+    async fn rpc(&self, flow_id: &str, body: RpcBody) -> Result<Box<dyn Any + Send>, RpcError>;
+}
+
+/// Status helpers shared by backends.
+pub fn is_final(status: FlowStatus) -> bool {
+    !matches!(status, FlowStatus::Running)
+}

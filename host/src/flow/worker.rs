@@ -1,0 +1,456 @@
+//! The worker: claims ready Step tasks, runs their handlers under the retry
+//! policy's deadlines, and commits their results fenced by the lease.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::task::{AbortHandle, JoinSet};
+
+use super::context::{Heartbeat, StepContext};
+use super::registry::{Registry, StepError};
+use super::retry::{self, AttemptError};
+use super::store::{AttemptFailure, FlowStore, StepCommit, StoreError};
+use super::types::{history, ClaimedTask, RetryPolicy, StepOutcome, StepResult};
+
+/// Called with the time from a Step's claim to its commit (for metrics and
+/// benchmarks).
+pub type StepObserver = Arc<dyn Fn(Duration) + Send + Sync>;
+
+/// How a worker runs.
+#[derive(Clone)]
+pub struct WorkerOptions {
+    /// Unique among live workers.
+    pub worker_id: String,
+    /// Steps run at once; give at least the largest `go_to_many` fan-out.
+    pub max_concurrent_tasks: usize,
+    /// A task's lease; the worker renews it every third of this. A worker
+    /// that dies is noticed this long after its last renewal.
+    pub lease: Duration,
+    /// The longest the worker sleeps between looks for work when nothing
+    /// wakes it.
+    pub poll_interval: Duration,
+    /// How often expired leases of dead workers are collected.
+    pub reap_interval: Duration,
+    pub on_step_committed: Option<StepObserver>,
+}
+
+impl std::fmt::Debug for WorkerOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerOptions")
+            .field("worker_id", &self.worker_id)
+            .field("max_concurrent_tasks", &self.max_concurrent_tasks)
+            .field("lease", &self.lease)
+            .field("poll_interval", &self.poll_interval)
+            .field("reap_interval", &self.reap_interval)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for WorkerOptions {
+    fn default() -> Self {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
+        Self {
+            worker_id: format!("worker-{}-{nanos:x}", std::process::id()),
+            max_concurrent_tasks: 32,
+            lease: Duration::from_secs(10),
+            poll_interval: Duration::from_millis(250),
+            reap_interval: Duration::from_millis(200),
+            on_step_committed: None,
+        }
+    }
+}
+
+struct Held {
+    lease_token: i64,
+    heartbeat: Heartbeat,
+    abort: Option<AbortHandle>,
+}
+
+type HeldTasks = Arc<Mutex<HashMap<i64, Held>>>;
+
+/// Runs the Steps of the registry's flow types.
+pub struct Worker {
+    store: Arc<dyn FlowStore>,
+    registry: Arc<Registry>,
+    options: WorkerOptions,
+}
+
+impl Worker {
+    pub fn new(store: Arc<dyn FlowStore>, registry: Arc<Registry>, options: WorkerOptions) -> Self {
+        Self {
+            store,
+            registry,
+            options,
+        }
+    }
+
+    /// Works until `shutdown` resolves. Steps still running then are
+    /// abandoned: their leases run out and they are delivered again.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) {
+        let flow_types = self.registry.flow_type_names();
+        let signal = self.store.work_signal();
+        let held: HeldTasks = Arc::new(Mutex::new(HashMap::new()));
+        let renewal = tokio::spawn(renew_leases(
+            self.store.clone(),
+            self.options.clone(),
+            held.clone(),
+        ));
+        let mut running = JoinSet::new();
+        let lease_ms = self.options.lease.as_millis() as i64;
+        let mut last_reap: Option<Instant> = None;
+        tokio::pin!(shutdown);
+
+        loop {
+            // Take the signal before looking for work, so none is missed.
+            let notified = signal.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+
+            if last_reap.is_none_or(|at| at.elapsed() >= self.options.reap_interval) {
+                self.reap(&flow_types).await;
+                last_reap = Some(Instant::now());
+            }
+            while running.try_join_next().is_some() {}
+            let free = self
+                .options
+                .max_concurrent_tasks
+                .saturating_sub(running.len());
+            let mut claimed_all = false;
+            if free > 0 {
+                match self
+                    .store
+                    .claim(&self.options.worker_id, &flow_types, free, lease_ms)
+                    .await
+                {
+                    Ok(tasks) => {
+                        claimed_all = tasks.len() == free;
+                        for task in tasks {
+                            running.spawn(run_task(
+                                self.store.clone(),
+                                self.registry.clone(),
+                                held.clone(),
+                                task,
+                                self.options.on_step_committed.clone(),
+                            ));
+                        }
+                    }
+                    Err(err) => tracing::warn!(error = %err, "claiming tasks failed"),
+                }
+            }
+            if claimed_all {
+                continue;
+            }
+            let sleep_for = self.idle_time(&flow_types, free > 0).await;
+            tokio::select! {
+                _ = &mut shutdown => break,
+                _ = &mut notified => {}
+                _ = tokio::time::sleep(sleep_for) => {}
+                Some(_) = running.join_next(), if !running.is_empty() => {}
+            }
+        }
+        renewal.abort();
+        running.abort_all();
+    }
+
+    /// Until the next due task, at most the poll interval.
+    async fn idle_time(&self, flow_types: &[String], can_claim: bool) -> Duration {
+        let cap = self.options.poll_interval.min(self.options.reap_interval);
+        if !can_claim {
+            return cap;
+        }
+        let (Ok(Some(due)), Ok(now)) = (
+            self.store.next_due(flow_types).await,
+            self.store.now().await,
+        ) else {
+            return cap;
+        };
+        Duration::from_millis((due - now).max(1) as u64).min(cap)
+    }
+
+    /// Hands the tasks of dead workers back: the same attempt when the Step
+    /// had produced nothing, else the next attempt (or the failure route).
+    async fn reap(&self, flow_types: &[String]) {
+        let expired = match self.store.expired_leases(flow_types, 64).await {
+            Ok(expired) => expired,
+            Err(err) => {
+                tracing::warn!(error = %err, "looking for expired leases failed");
+                return;
+            }
+        };
+        for lease in expired {
+            let Ok(now) = self.store.now().await else {
+                return;
+            };
+            let task = &lease.task;
+            let (action, history) = if lease.output_recorded {
+                retry::after_failure(&self.registry, task, &AttemptError::WorkerLost, now)
+            } else {
+                retry::redelivery(task, now)
+            };
+            let failure = AttemptFailure {
+                task_id: task.task_id,
+                lease_token: task.lease_token,
+                flow_id: task.flow_id.clone(),
+                action,
+                history,
+                require_expired: true,
+            };
+            match self.store.fail_attempt(failure).await {
+                Ok(()) | Err(StoreError::StaleLease { .. }) => {}
+                Err(err) => tracing::warn!(error = %err, task_id = task.task_id, "reaping failed"),
+            }
+        }
+    }
+}
+
+/// Renews the worker's leases and records heartbeats as output.
+async fn renew_leases(store: Arc<dyn FlowStore>, options: WorkerOptions, held: HeldTasks) {
+    let every = (options.lease / 3).max(Duration::from_millis(20));
+    let lease_ms = options.lease.as_millis() as i64;
+    loop {
+        tokio::time::sleep(every).await;
+        let snapshot: Vec<(i64, i64, Heartbeat)> = match held.lock() {
+            Ok(held) => held
+                .iter()
+                .map(|(id, h)| (*id, h.lease_token, h.heartbeat.clone()))
+                .collect(),
+            Err(_) => return,
+        };
+        if snapshot.is_empty() {
+            continue;
+        }
+        for (task_id, token, heartbeat) in &snapshot {
+            if heartbeat.take_unrecorded() {
+                if let Err(err) = store.record_output(*task_id, *token).await {
+                    tracing::debug!(task_id, error = %err, "recording a heartbeat failed");
+                }
+            }
+        }
+        let pairs: Vec<(i64, i64)> = snapshot
+            .iter()
+            .map(|(id, token, _)| (*id, *token))
+            .collect();
+        match store
+            .renew_leases(&options.worker_id, &pairs, lease_ms)
+            .await
+        {
+            Ok(lost) => {
+                if let Ok(held) = held.lock() {
+                    for task_id in lost {
+                        tracing::warn!(task_id, "lease lost; stopping the Step");
+                        if let Some(abort) = held.get(&task_id).and_then(|h| h.abort.as_ref()) {
+                            abort.abort();
+                        }
+                    }
+                }
+            }
+            Err(err) => tracing::warn!(error = %err, "renewing leases failed"),
+        }
+    }
+}
+
+async fn run_task(
+    store: Arc<dyn FlowStore>,
+    registry: Arc<Registry>,
+    held: HeldTasks,
+    task: ClaimedTask,
+    observer: Option<StepObserver>,
+) {
+    let claimed_at = Instant::now();
+    let task = Arc::new(task);
+    let heartbeat = Heartbeat::new();
+    if let Ok(mut held) = held.lock() {
+        held.insert(
+            task.task_id,
+            Held {
+                lease_token: task.lease_token,
+                heartbeat: heartbeat.clone(),
+                abort: None,
+            },
+        );
+    }
+    let def = registry
+        .flow_type(&task.flow_type)
+        .ok()
+        .and_then(|flow_type| flow_type.step_def(&task.step_type).cloned());
+    let result = match def {
+        None => Err(AttemptError::Step(StepError::fatal(format!(
+            "no handler is registered for step {} of flow type {}",
+            task.step_type, task.flow_type
+        )))),
+        Some(def) => {
+            let ctx = StepContext::new(task.clone(), store.clone(), heartbeat.clone());
+            // Its own task, so that a panic fails the attempt, not the worker.
+            let handle = tokio::spawn(def.handler.run(ctx));
+            if let Ok(mut held) = held.lock() {
+                if let Some(entry) = held.get_mut(&task.task_id) {
+                    entry.abort = Some(handle.abort_handle());
+                }
+            }
+            supervise(handle, &task.policy, &heartbeat).await
+        }
+    };
+    if let Ok(mut held) = held.lock() {
+        held.remove(&task.task_id);
+    }
+    match result {
+        Ok(step_result) => {
+            if commit(&store, &registry, &task, step_result).await {
+                if let Some(observer) = observer {
+                    observer(claimed_at.elapsed());
+                }
+            }
+        }
+        Err(err) => fail(&store, &registry, &task, err).await,
+    }
+}
+
+/// Waits for the handler, enforcing the attempt and heartbeat deadlines.
+async fn supervise(
+    mut handle: tokio::task::JoinHandle<Result<StepResult, StepError>>,
+    policy: &RetryPolicy,
+    heartbeat: &Heartbeat,
+) -> Result<StepResult, AttemptError> {
+    let started = Instant::now();
+    let attempt_deadline = policy.attempt_timeout.map(|t| started + t);
+    loop {
+        let heartbeat_deadline = policy.heartbeat_timeout.map(|t| heartbeat.last_beat() + t);
+        let next = [attempt_deadline, heartbeat_deadline]
+            .into_iter()
+            .flatten()
+            .min();
+        let wake = next.unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
+        tokio::select! {
+            joined = &mut handle => {
+                return match joined {
+                    Ok(Ok(result)) => Ok(result),
+                    Ok(Err(err)) => Err(AttemptError::Step(err)),
+                    Err(err) if err.is_panic() => Err(AttemptError::Step(StepError::retryable(
+                        format!("the step handler panicked: {}", panic_message(err.into_panic())),
+                    ))),
+                    Err(_) => Err(AttemptError::Step(StepError::retryable("the step was cancelled"))),
+                };
+            }
+            _ = tokio::time::sleep_until(wake.into()) => {
+                let now = Instant::now();
+                if let (Some(deadline), Some(timeout)) = (attempt_deadline, policy.attempt_timeout) {
+                    if now >= deadline {
+                        handle.abort();
+                        return Err(AttemptError::AttemptTimeout { after_ms: timeout.as_millis() as u64 });
+                    }
+                }
+                if let Some(timeout) = policy.heartbeat_timeout {
+                    if now >= heartbeat.last_beat() + timeout {
+                        handle.abort();
+                        return Err(AttemptError::HeartbeatTimeout { after_ms: timeout.as_millis() as u64 });
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
+    if let Some(text) = payload.downcast_ref::<&str>() {
+        text.to_string()
+    } else if let Some(text) = payload.downcast_ref::<String>() {
+        text.clone()
+    } else {
+        "non-string panic".to_string()
+    }
+}
+
+/// Commits the Step's result; true when it was committed.
+async fn commit(
+    store: &Arc<dyn FlowStore>,
+    registry: &Registry,
+    task: &ClaimedTask,
+    result: StepResult,
+) -> bool {
+    let now = match store.now().await {
+        Ok(now) => now,
+        Err(err) => {
+            tracing::warn!(error = %err, "store clock unavailable; the lease will expire");
+            return false;
+        }
+    };
+    let mut next = Vec::new();
+    let mut complete_flow = false;
+    match result.outcome {
+        StepOutcome::Next(calls) => {
+            for call in calls {
+                match registry.new_task(&task.flow_type, call, now, None) {
+                    Ok(new_task) => next.push(new_task),
+                    Err(err) => {
+                        let err = AttemptError::Step(StepError::fatal(err.to_string()));
+                        fail(store, registry, task, err).await;
+                        return false;
+                    }
+                }
+            }
+        }
+        StepOutcome::End => {}
+        StepOutcome::Complete => complete_flow = true,
+    }
+    let commit = StepCommit {
+        task_id: task.task_id,
+        lease_token: task.lease_token,
+        flow_id: task.flow_id.clone(),
+        consumed: task.messages.iter().map(|m| m.message_id).collect(),
+        writes: result.writes,
+        next,
+        complete_flow,
+        history: retry::entry(task, history::EXECUTE_COMPLETED, now, String::new()),
+    };
+    match store.commit_step(commit).await {
+        Ok(()) => true,
+        Err(StoreError::StaleLease { .. }) => {
+            tracing::info!(
+                task_id = task.task_id,
+                "the lease was lost; the Step's result is dropped"
+            );
+            false
+        }
+        Err(err) => {
+            let err = AttemptError::Step(StepError::retryable(format!("commit failed: {err}")));
+            fail(store, registry, task, err).await;
+            false
+        }
+    }
+}
+
+async fn fail(
+    store: &Arc<dyn FlowStore>,
+    registry: &Registry,
+    task: &ClaimedTask,
+    err: AttemptError,
+) {
+    tracing::info!(
+        flow_id = %task.flow_id,
+        step = %task.step_type,
+        attempt = task.attempt,
+        error = %err.message(),
+        "step attempt failed"
+    );
+    let Ok(now) = store.now().await else { return };
+    let (action, history) = retry::after_failure(registry, task, &err, now);
+    let failure = AttemptFailure {
+        task_id: task.task_id,
+        lease_token: task.lease_token,
+        flow_id: task.flow_id.clone(),
+        action,
+        history,
+        require_expired: false,
+    };
+    match store.fail_attempt(failure).await {
+        Ok(()) | Err(StoreError::StaleLease { .. }) => {}
+        Err(err) => {
+            tracing::warn!(error = %err, "recording a failed attempt failed; the lease will expire")
+        }
+    }
+}

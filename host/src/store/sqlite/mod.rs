@@ -1,0 +1,643 @@
+//! The embedded SQLite backend: one file, WAL, shared by any number of
+//! processes on one machine.
+//!
+//! - Writes go through one connection per process inside `BEGIN IMMEDIATE`
+//!   transactions; other processes wait on SQLite's lock (busy timeout 5 s).
+//! - Reads use their own connections, which WAL lets run beside writes.
+//! - A watcher polls `PRAGMA data_version` every 10 ms and wakes the workers
+//!   of this process when another process commits; commits of this process
+//!   wake them at once.
+//! - `synchronous=NORMAL` by default: in WAL mode a commit survives the death
+//!   of any process (the crash model of workers) without an fsync per commit;
+//!   an OS crash or power loss may lose the last commits but never corrupts
+//!   the file. `synchronous=FULL` fsyncs every commit (see `dexa bench engine`
+//!   for the cost).
+
+mod schema;
+mod state;
+
+use std::any::Any;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use rusqlite::{params, Connection, OptionalExtension, Transaction, TransactionBehavior};
+use tokio::sync::Notify;
+
+use crate::flow::store::{
+    AttemptFailure, ExpiredLease, FailureAction, FlowStore, RpcBody, RpcError, StepCommit,
+    StoreError,
+};
+use crate::flow::types::{
+    ClaimedTask, FlowInfo, FlowStatus, Json, MapQuery, NewTask, StepHistoryEntry, StoreMillis,
+    StreamPage, Versioned,
+};
+
+use state::SqliteStateTx;
+
+/// How hard SQLite syncs a commit to disk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Synchronous {
+    /// Durable across process crashes; see the module docs.
+    #[default]
+    Normal,
+    /// Also durable across OS crashes and power loss; one fsync per commit.
+    Full,
+}
+
+impl FromStr for Synchronous {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        match text.to_ascii_lowercase().as_str() {
+            "normal" => Ok(Synchronous::Normal),
+            "full" => Ok(Synchronous::Full),
+            other => Err(format!("synchronous must be normal or full, not {other:?}")),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct SqliteOptions {
+    pub synchronous: Synchronous,
+}
+
+/// The default capacity of a stream, in bytes.
+pub const DEFAULT_STREAM_CAPACITY: u64 = 10 << 20;
+
+const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
+const WATCH_INTERVAL: Duration = Duration::from_millis(10);
+
+/// The SQLite store. Cheap to clone.
+#[derive(Clone)]
+pub struct SqliteStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    path: PathBuf,
+    options: SqliteOptions,
+    writer: Mutex<Connection>,
+    readers: Mutex<Vec<Connection>>,
+    signal: Arc<Notify>,
+}
+
+pub(crate) fn backend(err: impl std::fmt::Display) -> StoreError {
+    StoreError::Backend(err.to_string())
+}
+
+pub(crate) fn now_millis() -> StoreMillis {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+fn connect(path: &Path, options: &SqliteOptions) -> Result<Connection, StoreError> {
+    let conn = Connection::open(path)
+        .map_err(|err| StoreError::Backend(format!("cannot open {}: {err}", path.display())))?;
+    conn.busy_timeout(BUSY_TIMEOUT).map_err(backend)?;
+    conn.pragma_update(None, "journal_mode", "WAL")
+        .map_err(backend)?;
+    let sync = match options.synchronous {
+        Synchronous::Normal => "NORMAL",
+        Synchronous::Full => "FULL",
+    };
+    conn.pragma_update(None, "synchronous", sync)
+        .map_err(backend)?;
+    Ok(conn)
+}
+
+impl SqliteStore {
+    /// Opens (creating if needed) the store at `path`.
+    pub fn open(path: impl AsRef<Path>, options: SqliteOptions) -> Result<Self, StoreError> {
+        let path = path.as_ref().to_path_buf();
+        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent).map_err(|err| {
+                StoreError::Backend(format!("cannot create {}: {err}", parent.display()))
+            })?;
+        }
+        let mut writer = connect(&path, &options)?;
+        schema::migrate(&mut writer)?;
+        let inner = Arc::new(Inner {
+            path: path.clone(),
+            options: options.clone(),
+            writer: Mutex::new(writer),
+            readers: Mutex::new(Vec::new()),
+            signal: Arc::new(Notify::new()),
+        });
+        spawn_watcher(Arc::downgrade(&inner));
+        Ok(Self { inner })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.inner.path
+    }
+
+    /// Runs `work` in one write transaction, waking local workers after it.
+    async fn write<T, F>(&self, work: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Transaction<'_>, StoreMillis) -> Result<T, StoreError> + Send + 'static,
+    {
+        let result = self.write_quietly(work).await;
+        self.inner.signal.notify_waiters();
+        result
+    }
+
+    /// Runs `work` in one write transaction that makes no task ready (claims,
+    /// lease renewals), so it wakes nobody.
+    async fn write_quietly<T, F>(&self, work: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Transaction<'_>, StoreMillis) -> Result<T, StoreError> + Send + 'static,
+    {
+        let inner = self.inner.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut conn = inner
+                .writer
+                .lock()
+                .map_err(|_| backend("writer connection poisoned"))?;
+            let tx = conn
+                .transaction_with_behavior(TransactionBehavior::Immediate)
+                .map_err(backend)?;
+            let value = work(&tx, now_millis())?;
+            tx.commit().map_err(backend)?;
+            Ok(value)
+        })
+        .await
+        .map_err(backend)?
+    }
+
+    /// Runs `work` on a read connection.
+    async fn read<T, F>(&self, work: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Connection, StoreMillis) -> Result<T, StoreError> + Send + 'static,
+    {
+        let inner = self.inner.clone();
+        tokio::task::spawn_blocking(move || {
+            let pooled = inner.readers.lock().ok().and_then(|mut pool| pool.pop());
+            let conn = match pooled {
+                Some(conn) => conn,
+                None => connect(&inner.path, &inner.options)?,
+            };
+            let result = work(&conn, now_millis());
+            if let Ok(mut pool) = inner.readers.lock() {
+                if pool.len() < 8 {
+                    pool.push(conn);
+                }
+            }
+            result
+        })
+        .await
+        .map_err(backend)?
+    }
+}
+
+/// Wakes this process's workers when another process commits. It asks the
+/// writer connection, whose `data_version` ignores this process's own commits.
+fn spawn_watcher(inner: Weak<Inner>) {
+    let spawned = std::thread::Builder::new()
+        .name("dexa-sqlite-watch".to_string())
+        .spawn(move || {
+            let version = |inner: &Inner| -> Option<i64> {
+                let conn = inner.writer.lock().ok()?;
+                conn.query_row("PRAGMA data_version", [], |row| row.get(0))
+                    .ok()
+            };
+            let mut last = inner.upgrade().and_then(|inner| version(&inner));
+            loop {
+                std::thread::sleep(WATCH_INTERVAL);
+                let Some(inner) = inner.upgrade() else { break };
+                let now = version(&inner);
+                if now != last {
+                    last = now;
+                    inner.signal.notify_waiters();
+                }
+            }
+        });
+    if let Err(err) = spawned {
+        tracing::warn!(error = %err, "cannot start the SQLite change watcher; workers fall back to polling");
+    }
+}
+
+fn in_list(count: usize) -> String {
+    vec!["?"; count].join(",")
+}
+
+fn flow_row(
+    row: &rusqlite::Row<'_>,
+) -> rusqlite::Result<(String, String, String, i64, i64, Option<String>)> {
+    Ok((
+        row.get(0)?,
+        row.get(1)?,
+        row.get(2)?,
+        row.get(3)?,
+        row.get(4)?,
+        row.get(5)?,
+    ))
+}
+
+fn to_flow_info(
+    (flow_id, flow_type, status, created_at, updated_at, error): (
+        String,
+        String,
+        String,
+        i64,
+        i64,
+        Option<String>,
+    ),
+) -> Result<FlowInfo, StoreError> {
+    let status = FlowStatus::parse(&status)
+        .ok_or_else(|| StoreError::Corrupt(format!("flow {flow_id} has status {status:?}")))?;
+    Ok(FlowInfo {
+        flow_id,
+        flow_type,
+        status,
+        created_at,
+        updated_at,
+        error,
+    })
+}
+
+const FLOW_COLUMNS: &str = "flow_id, flow_type, status, created_at_ms, updated_at_ms, error";
+
+#[async_trait]
+impl FlowStore for SqliteStore {
+    async fn now(&self) -> Result<StoreMillis, StoreError> {
+        Ok(now_millis())
+    }
+
+    fn work_signal(&self) -> Arc<Notify> {
+        self.inner.signal.clone()
+    }
+
+    async fn create_flow(
+        &self,
+        flow_id: &str,
+        flow_type: &str,
+        first: NewTask,
+    ) -> Result<(), StoreError> {
+        let (flow_id, flow_type) = (flow_id.to_string(), flow_type.to_string());
+        self.write(move |tx, now| {
+            let inserted = tx
+                .execute(
+                    "INSERT INTO flows (flow_id, flow_type, status, created_at_ms, updated_at_ms)
+                     VALUES (?1, ?2, 'running', ?3, ?3) ON CONFLICT (flow_id) DO NOTHING",
+                    params![flow_id, flow_type, now],
+                )
+                .map_err(backend)?;
+            if inserted == 0 {
+                return Err(StoreError::FlowExists { flow_id });
+            }
+            state::insert_task(tx, &flow_id, &flow_type, &first)?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn flow(&self, flow_id: &str) -> Result<Option<FlowInfo>, StoreError> {
+        let flow_id = flow_id.to_string();
+        self.read(move |conn, _| state::flow_info(conn, &flow_id))
+            .await
+    }
+
+    async fn list_flows(
+        &self,
+        flow_type: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<FlowInfo>, StoreError> {
+        let flow_type = flow_type.map(str::to_string);
+        self.read(move |conn, _| {
+            let mut stmt = conn
+                .prepare(&format!(
+                    "SELECT {FLOW_COLUMNS} FROM flows WHERE (?1 IS NULL OR flow_type = ?1)
+                     ORDER BY created_at_ms DESC, flow_id LIMIT ?2"
+                ))
+                .map_err(backend)?;
+            let rows = stmt
+                .query_map(params![flow_type, limit as i64], flow_row)
+                .map_err(backend)?
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(backend)?;
+            rows.into_iter().map(to_flow_info).collect()
+        })
+        .await
+    }
+
+    async fn stop_flow(&self, flow_id: &str) -> Result<bool, StoreError> {
+        let flow_id = flow_id.to_string();
+        self.write(move |tx, now| {
+            let stopped = tx
+                .execute(
+                    "UPDATE flows SET status = 'stopped', updated_at_ms = ?2
+                     WHERE flow_id = ?1 AND status = 'running'",
+                    params![flow_id, now],
+                )
+                .map_err(backend)?;
+            if stopped > 0 {
+                state::drop_tasks(tx, &flow_id)?;
+            }
+            Ok(stopped > 0)
+        })
+        .await
+    }
+
+    async fn claim(
+        &self,
+        worker_id: &str,
+        flow_types: &[String],
+        max: usize,
+        lease_ms: i64,
+    ) -> Result<Vec<ClaimedTask>, StoreError> {
+        if flow_types.is_empty() || max == 0 {
+            return Ok(Vec::new());
+        }
+        let worker_id = worker_id.to_string();
+        let flow_types = flow_types.to_vec();
+        self.write_quietly(move |tx, now| {
+            state::claim(tx, now, &worker_id, &flow_types, max, lease_ms)
+        })
+        .await
+    }
+
+    async fn renew_leases(
+        &self,
+        worker_id: &str,
+        held: &[(i64, i64)],
+        lease_ms: i64,
+    ) -> Result<Vec<i64>, StoreError> {
+        let worker_id = worker_id.to_string();
+        let held = held.to_vec();
+        self.write_quietly(move |tx, now| {
+            let mut lost = Vec::new();
+            let mut stmt = tx
+                .prepare_cached(
+                    "UPDATE tasks SET lease_expires_ms = ?1
+                     WHERE task_id = ?2 AND lease_token = ?3 AND state = 'leased' AND lease_owner = ?4",
+                )
+                .map_err(backend)?;
+            for (task_id, token) in held {
+                let renewed = stmt
+                    .execute(params![now + lease_ms, task_id, token, worker_id])
+                    .map_err(backend)?;
+                if renewed == 0 {
+                    lost.push(task_id);
+                }
+            }
+            Ok(lost)
+        })
+        .await
+    }
+
+    async fn record_output(&self, task_id: i64, lease_token: i64) -> Result<(), StoreError> {
+        self.write_quietly(move |tx, _| {
+            let updated = tx
+                .execute(
+                    "UPDATE tasks SET output_recorded = 1
+                     WHERE task_id = ?1 AND lease_token = ?2 AND state = 'leased'",
+                    params![task_id, lease_token],
+                )
+                .map_err(backend)?;
+            if updated == 0 {
+                return Err(StoreError::StaleLease { task_id });
+            }
+            Ok(())
+        })
+        .await
+    }
+
+    async fn commit_step(&self, commit: StepCommit) -> Result<(), StoreError> {
+        self.write(move |tx, now| state::commit_step(tx, now, commit))
+            .await
+    }
+
+    async fn fail_attempt(&self, failure: AttemptFailure) -> Result<(), StoreError> {
+        self.write(move |tx, now| {
+            state::check_lease(tx, failure.task_id, failure.lease_token, failure.require_expired.then_some(now))?;
+            state::insert_history(tx, &failure.flow_id, &failure.history)?;
+            tx.execute("DELETE FROM state_locks WHERE task_id = ?1", params![failure.task_id])
+                .map_err(backend)?;
+            match failure.action {
+                FailureAction::Retry { attempt, not_before } => {
+                    tx.execute(
+                        "UPDATE tasks SET state = 'ready', attempt = ?2, not_before_ms = ?3,
+                         lease_owner = NULL, lease_expires_ms = NULL, output_recorded = 0
+                         WHERE task_id = ?1",
+                        params![failure.task_id, attempt, not_before],
+                    )
+                    .map_err(backend)?;
+                }
+                FailureAction::Redeliver => {
+                    tx.execute(
+                        "UPDATE tasks SET state = 'ready', lease_owner = NULL, lease_expires_ms = NULL
+                         WHERE task_id = ?1",
+                        params![failure.task_id],
+                    )
+                    .map_err(backend)?;
+                }
+                FailureAction::GiveUp { route, flow_error } => {
+                    tx.execute("DELETE FROM tasks WHERE task_id = ?1", params![failure.task_id])
+                        .map_err(backend)?;
+                    let flow_type: String = tx
+                        .query_row(
+                            "SELECT flow_type FROM flows WHERE flow_id = ?1",
+                            params![failure.flow_id],
+                            |row| row.get(0),
+                        )
+                        .map_err(backend)?;
+                    match route {
+                        Some(route) => {
+                            state::insert_task(tx, &failure.flow_id, &flow_type, &route)?;
+                        }
+                        None => {
+                            tx.execute(
+                                "UPDATE flows SET status = 'failed', error = ?2, updated_at_ms = ?3
+                                 WHERE flow_id = ?1",
+                                params![failure.flow_id, flow_error, now],
+                            )
+                            .map_err(backend)?;
+                            state::drop_tasks(tx, &failure.flow_id)?;
+                        }
+                    }
+                }
+            }
+            Ok(())
+        })
+        .await
+    }
+
+    async fn expired_leases(
+        &self,
+        flow_types: &[String],
+        limit: usize,
+    ) -> Result<Vec<ExpiredLease>, StoreError> {
+        if flow_types.is_empty() {
+            return Ok(Vec::new());
+        }
+        let flow_types = flow_types.to_vec();
+        self.read(move |conn, now| state::expired_leases(conn, now, &flow_types, limit))
+            .await
+    }
+
+    async fn next_due(&self, flow_types: &[String]) -> Result<Option<StoreMillis>, StoreError> {
+        if flow_types.is_empty() {
+            return Ok(None);
+        }
+        let flow_types = flow_types.to_vec();
+        self.read(move |conn, _| {
+            let list = in_list(flow_types.len());
+            let sql = format!(
+                "SELECT MIN(due) FROM (
+                   SELECT MIN(not_before_ms) AS due FROM tasks WHERE state = 'ready' AND flow_type IN ({list})
+                   UNION ALL
+                   SELECT MIN(wake_at_ms) FROM tasks WHERE state = 'waiting' AND flow_type IN ({list})
+                   UNION ALL
+                   SELECT MIN(lease_expires_ms) FROM tasks WHERE state = 'leased' AND flow_type IN ({list}))"
+            );
+            let params: Vec<&String> = flow_types.iter().chain(&flow_types).chain(&flow_types).collect();
+            conn.query_row(&sql, rusqlite::params_from_iter(params), |row| row.get(0))
+                .map_err(backend)
+        })
+        .await
+    }
+
+    async fn get(
+        &self,
+        flow_id: &str,
+        name: &str,
+        key: &str,
+    ) -> Result<Option<Versioned>, StoreError> {
+        let (flow_id, name, key) = (flow_id.to_string(), name.to_string(), key.to_string());
+        self.read(move |conn, _| state::get(conn, &flow_id, &name, &key))
+            .await
+    }
+
+    async fn read_map(
+        &self,
+        flow_id: &str,
+        name: &str,
+        query: MapQuery,
+    ) -> Result<Vec<(String, Versioned)>, StoreError> {
+        let (flow_id, name) = (flow_id.to_string(), name.to_string());
+        self.read(move |conn, _| state::read_map(conn, &flow_id, &name, &query))
+            .await
+    }
+
+    async fn channel_len(
+        &self,
+        flow_id: &str,
+        channel: &str,
+        key: &str,
+    ) -> Result<u64, StoreError> {
+        let (flow_id, channel, key) = (flow_id.to_string(), channel.to_string(), key.to_string());
+        self.read(move |conn, _| state::channel_len(conn, &flow_id, &channel, &key))
+            .await
+    }
+
+    async fn append_stream(
+        &self,
+        flow_id: &str,
+        stream: &str,
+        payloads: Vec<Json>,
+    ) -> Result<Vec<i64>, StoreError> {
+        let (flow_id, stream) = (flow_id.to_string(), stream.to_string());
+        self.write_quietly(move |tx, now| {
+            state::append_stream(tx, now, &flow_id, &stream, &payloads)
+        })
+        .await
+    }
+
+    async fn read_stream(
+        &self,
+        flow_id: &str,
+        stream: &str,
+        after_seq: i64,
+        limit: usize,
+    ) -> Result<StreamPage, StoreError> {
+        let (flow_id, stream) = (flow_id.to_string(), stream.to_string());
+        self.read(move |conn, _| state::read_stream(conn, &flow_id, &stream, after_seq, limit))
+            .await
+    }
+
+    async fn set_stream_capacity(
+        &self,
+        flow_id: &str,
+        stream: &str,
+        capacity_bytes: u64,
+    ) -> Result<(), StoreError> {
+        let (flow_id, stream) = (flow_id.to_string(), stream.to_string());
+        self.write_quietly(move |tx, _| {
+            state::set_stream_capacity(tx, &flow_id, &stream, capacity_bytes)
+        })
+        .await
+    }
+
+    async fn step_history(&self, flow_id: &str) -> Result<Vec<StepHistoryEntry>, StoreError> {
+        let flow_id = flow_id.to_string();
+        self.read(move |conn, _| {
+            let mut stmt = conn
+                .prepare(
+                    "SELECT event_type, step_type, step_execution_id, attempt, at_ms, detail
+                     FROM step_history WHERE flow_id = ?1 ORDER BY entry_id",
+                )
+                .map_err(backend)?;
+            let rows = stmt
+                .query_map(params![flow_id], |row| {
+                    Ok(StepHistoryEntry {
+                        event_type: row.get(0)?,
+                        step_type: row.get(1)?,
+                        step_execution_id: row.get(2)?,
+                        final_attempt: row.get(3)?,
+                        at: row.get(4)?,
+                        detail: row.get(5)?,
+                    })
+                })
+                .map_err(backend)?
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(backend);
+            rows
+        })
+        .await
+    }
+
+    async fn rpc(&self, flow_id: &str, body: RpcBody) -> Result<Box<dyn Any + Send>, RpcError> {
+        let flow_id = flow_id.to_string();
+        let inner = self.inner.clone();
+        let result =
+            tokio::task::spawn_blocking(move || -> Result<Box<dyn Any + Send>, RpcError> {
+                let mut conn = inner
+                    .writer
+                    .lock()
+                    .map_err(|_| backend("writer connection poisoned"))?;
+                let tx = conn
+                    .transaction_with_behavior(TransactionBehavior::Immediate)
+                    .map_err(backend)?;
+                let value = {
+                    let mut state = SqliteStateTx::new(&tx, flow_id, now_millis());
+                    body(&mut state)?
+                };
+                tx.commit().map_err(backend)?;
+                Ok(value)
+            })
+            .await
+            .map_err(|err| RpcError::Store(backend(err)))?;
+        self.inner.signal.notify_waiters();
+        result
+    }
+}
+
+/// Whether a row exists (helper for `OptionalExtension` queries).
+pub(crate) fn exists(
+    conn: &Connection,
+    sql: &str,
+    params: impl rusqlite::Params,
+) -> Result<bool, StoreError> {
+    conn.query_row(sql, params, |_| Ok(()))
+        .optional()
+        .map(|found| found.is_some())
+        .map_err(backend)
+}

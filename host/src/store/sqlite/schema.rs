@@ -1,0 +1,129 @@
+//! The SQLite schema, created on open.
+
+use rusqlite::Connection;
+
+use super::backend;
+use crate::flow::StoreError;
+
+const SCHEMA_VERSION: i64 = 1;
+
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS flows (
+    flow_id        TEXT PRIMARY KEY,
+    flow_type      TEXT NOT NULL,
+    status         TEXT NOT NULL,
+    created_at_ms  INTEGER NOT NULL,
+    updated_at_ms  INTEGER NOT NULL,
+    error          TEXT
+);
+CREATE INDEX IF NOT EXISTS flows_by_type ON flows (flow_type, created_at_ms);
+
+-- One row per Step execution; retries update it in place.
+CREATE TABLE IF NOT EXISTS tasks (
+    task_id              INTEGER PRIMARY KEY AUTOINCREMENT,
+    flow_id              TEXT NOT NULL,
+    flow_type            TEXT NOT NULL,
+    step_type            TEXT NOT NULL,
+    input                TEXT NOT NULL,
+    state                TEXT NOT NULL,          -- waiting | ready | leased
+    attempt              INTEGER NOT NULL,
+    not_before_ms        INTEGER NOT NULL,
+    wait_channel         TEXT,
+    wait_key             TEXT,
+    wait_count           INTEGER,
+    wake_at_ms           INTEGER,
+    policy               TEXT NOT NULL,
+    failure_route        TEXT,
+    failure              TEXT,
+    locks                TEXT NOT NULL,
+    lease_owner          TEXT,
+    lease_token          INTEGER NOT NULL DEFAULT 0,
+    lease_expires_ms     INTEGER,
+    output_recorded      INTEGER NOT NULL DEFAULT 0,
+    timer_fired          INTEGER NOT NULL DEFAULT 0,
+    first_attempt_at_ms  INTEGER,
+    attempt_started_at_ms INTEGER
+);
+CREATE INDEX IF NOT EXISTS tasks_ready ON tasks (state, not_before_ms);
+CREATE INDEX IF NOT EXISTS tasks_waking ON tasks (state, wake_at_ms);
+CREATE INDEX IF NOT EXISTS tasks_leased ON tasks (state, lease_expires_ms);
+CREATE INDEX IF NOT EXISTS tasks_by_flow ON tasks (flow_id, wait_channel, wait_key);
+
+-- Attributes use key ''; AttributeMaps one row per key.
+CREATE TABLE IF NOT EXISTS attributes (
+    flow_id  TEXT NOT NULL,
+    name     TEXT NOT NULL,
+    key      TEXT NOT NULL,
+    value    TEXT NOT NULL,
+    version  INTEGER NOT NULL,
+    PRIMARY KEY (flow_id, name, key)
+) WITHOUT ROWID;
+
+CREATE TABLE IF NOT EXISTS channel_messages (
+    message_id       INTEGER PRIMARY KEY AUTOINCREMENT,
+    flow_id          TEXT NOT NULL,
+    channel          TEXT NOT NULL,
+    key              TEXT NOT NULL,
+    payload          TEXT NOT NULL,
+    published_at_ms  INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS channel_lookup ON channel_messages (flow_id, channel, key, message_id);
+
+CREATE TABLE IF NOT EXISTS streams (
+    flow_id         TEXT NOT NULL,
+    stream          TEXT NOT NULL,
+    next_seq        INTEGER NOT NULL,
+    total_bytes     INTEGER NOT NULL,
+    capacity_bytes  INTEGER NOT NULL,
+    PRIMARY KEY (flow_id, stream)
+) WITHOUT ROWID;
+
+CREATE TABLE IF NOT EXISTS stream_entries (
+    flow_id  TEXT NOT NULL,
+    stream   TEXT NOT NULL,
+    seq      INTEGER NOT NULL,
+    payload  TEXT NOT NULL,
+    bytes    INTEGER NOT NULL,
+    at_ms    INTEGER NOT NULL,
+    PRIMARY KEY (flow_id, stream, seq)
+) WITHOUT ROWID;
+
+CREATE TABLE IF NOT EXISTS step_history (
+    entry_id           INTEGER PRIMARY KEY AUTOINCREMENT,
+    flow_id            TEXT NOT NULL,
+    event_type         TEXT NOT NULL,
+    step_type          TEXT NOT NULL,
+    step_execution_id  TEXT NOT NULL,
+    attempt            INTEGER NOT NULL,
+    at_ms              INTEGER NOT NULL,
+    detail             TEXT
+);
+CREATE INDEX IF NOT EXISTS step_history_by_flow ON step_history (flow_id, entry_id);
+
+-- Attribute names a running Step holds; RPCs that lock them conflict.
+CREATE TABLE IF NOT EXISTS state_locks (
+    flow_id  TEXT NOT NULL,
+    name     TEXT NOT NULL,
+    task_id  INTEGER NOT NULL,
+    PRIMARY KEY (flow_id, name, task_id)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS state_locks_by_task ON state_locks (task_id);
+";
+
+pub(super) fn migrate(conn: &mut Connection) -> Result<(), StoreError> {
+    let version: i64 = conn
+        .query_row("PRAGMA user_version", [], |row| row.get(0))
+        .map_err(backend)?;
+    if version > SCHEMA_VERSION {
+        return Err(StoreError::Backend(format!(
+            "the store was written by a newer dexa (schema {version}, this one knows {SCHEMA_VERSION})"
+        )));
+    }
+    let tx = conn
+        .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
+        .map_err(backend)?;
+    tx.execute_batch(SCHEMA).map_err(backend)?;
+    tx.pragma_update(None, "user_version", SCHEMA_VERSION)
+        .map_err(backend)?;
+    tx.commit().map_err(backend)
+}

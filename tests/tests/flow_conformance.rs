@@ -1,0 +1,833 @@
+//! The Flow engine's conformance suite. Every test takes a store factory and
+//! runs against every backend (`backends!` at the bottom).
+
+use std::path::Path;
+use std::process::{Child, Command};
+use std::sync::Arc;
+use std::time::Duration;
+
+use dexa::flow::history::{ATTEMPT_FAILED, EXECUTE_COMPLETED, EXECUTE_FAILED, REDELIVERED};
+use dexa::flow::store::{AttemptFailure, FailureAction, StepCommit};
+use dexa::flow::{
+    FlowClient, FlowStatus, FlowStore, Json, RetryPolicy, RpcError, StepHistoryEntry, StoreError,
+    Worker, WorkerOptions,
+};
+use dexa_tests::toy::{toy_registry, wait_until, Probe, SqliteFactory, StoreFactory};
+use serde_json::json;
+
+const PATIENCE: Duration = Duration::from_secs(20);
+
+/// A client, an in-process worker and the probe, on a fresh store.
+struct Stack {
+    _dir: tempfile::TempDir,
+    store: Arc<dyn FlowStore>,
+    client: FlowClient,
+    probe: Arc<Probe>,
+    worker: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Stack {
+    fn new(factory: &dyn StoreFactory) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = factory.open(dir.path());
+        let probe = Probe::new(Some(dir.path().to_path_buf()));
+        let registry = Arc::new(toy_registry(probe.clone()));
+        let client = FlowClient::new(store.clone(), registry);
+        Self {
+            _dir: dir,
+            store,
+            client,
+            probe,
+            worker: None,
+        }
+    }
+
+    fn start_worker(&mut self) {
+        let options = WorkerOptions {
+            lease: Duration::from_millis(500),
+            reap_interval: Duration::from_millis(50),
+            ..WorkerOptions::default()
+        };
+        let worker = Worker::new(self.store.clone(), self.client.registry().clone(), options);
+        self.worker = Some(tokio::spawn(worker.run(std::future::pending())));
+    }
+
+    async fn wait_status(&self, flow_id: &str, status: FlowStatus) {
+        let client = self.client.clone();
+        wait_until(&format!("{flow_id} to be {status:?}"), PATIENCE, || {
+            let client = client.clone();
+            async move {
+                let info = client.flow(flow_id).await.ok().flatten()?;
+                (info.status == status).then_some(())
+            }
+        })
+        .await;
+    }
+
+    async fn attr(&self, flow_id: &str, name: &str) -> Option<Json> {
+        self.store
+            .get(flow_id, name, "")
+            .await
+            .expect("get")
+            .map(|v| v.value)
+    }
+
+    async fn history(&self, flow_id: &str) -> Vec<StepHistoryEntry> {
+        self.client.step_history(flow_id).await.expect("history")
+    }
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        if let Some(worker) = self.worker.take() {
+            worker.abort();
+        }
+    }
+}
+
+fn events(history: &[StepHistoryEntry], step: &str) -> Vec<(String, u32)> {
+    history
+        .iter()
+        .filter(|e| e.step_type == step)
+        .map(|e| (e.event_type.clone(), e.final_attempt))
+        .collect()
+}
+
+async fn retries_then_the_failure_route(factory: &dyn StoreFactory) {
+    let mut stack = Stack::new(factory);
+    stack.start_worker();
+    stack
+        .client
+        .start_flow("Retry", "flaky", json!({"next": "Flaky"}))
+        .await
+        .expect("start");
+    stack.wait_status("flaky", FlowStatus::Completed).await;
+    let history = stack.history("flaky").await;
+    assert_eq!(
+        events(&history, "Flaky"),
+        vec![
+            (ATTEMPT_FAILED.to_string(), 1),
+            (ATTEMPT_FAILED.to_string(), 2),
+            (EXECUTE_FAILED.to_string(), 3),
+        ]
+    );
+    let flaky_ids: Vec<_> = history
+        .iter()
+        .filter(|e| e.step_type == "Flaky")
+        .map(|e| &e.step_execution_id)
+        .collect();
+    assert!(
+        flaky_ids.windows(2).all(|w| w[0] == w[1]),
+        "attempts share one step_execution_id"
+    );
+    assert_eq!(
+        events(&history, "Recover"),
+        vec![(EXECUTE_COMPLETED.to_string(), 1)]
+    );
+    assert_eq!(
+        stack.attr("flaky", "recovered").await,
+        Some(json!("flaky failure on attempt 3"))
+    );
+    assert_eq!(stack.probe.runs_of("Flaky"), 3);
+
+    // A retry that succeeds ends the Step normally.
+    stack
+        .client
+        .start_flow(
+            "Retry",
+            "flaky-2",
+            json!({"next": "Flaky", "fail_times": 1}),
+        )
+        .await
+        .expect("start");
+    stack.wait_status("flaky-2", FlowStatus::Completed).await;
+    assert_eq!(
+        stack.attr("flaky-2", "result").await,
+        Some(json!("ok on attempt 2"))
+    );
+
+    // A fatal error skips the remaining attempts.
+    stack
+        .client
+        .start_flow("Retry", "fatal", json!({"next": "Fatal"}))
+        .await
+        .expect("start");
+    stack.wait_status("fatal", FlowStatus::Completed).await;
+    assert_eq!(
+        events(&stack.history("fatal").await, "Fatal"),
+        vec![(EXECUTE_FAILED.to_string(), 1)]
+    );
+
+    // With no failure route, the flow fails and says why.
+    stack
+        .client
+        .start_flow("Retry", "unrouted", json!({"next": "Unrouted"}))
+        .await
+        .expect("start");
+    stack.wait_status("unrouted", FlowStatus::Failed).await;
+    let info = stack
+        .client
+        .flow("unrouted")
+        .await
+        .expect("flow")
+        .expect("exists");
+    assert!(
+        info.error
+            .as_deref()
+            .unwrap_or_default()
+            .contains("unrouted failure 2"),
+        "{info:?}"
+    );
+}
+
+async fn the_per_attempt_timeout(factory: &dyn StoreFactory) {
+    let mut stack = Stack::new(factory);
+    stack.start_worker();
+    stack
+        .client
+        .start_flow("Retry", "slow", json!({"next": "Slow"}))
+        .await
+        .expect("start");
+    stack.wait_status("slow", FlowStatus::Completed).await;
+    let history = stack.history("slow").await;
+    assert_eq!(
+        events(&history, "Slow"),
+        vec![
+            (ATTEMPT_FAILED.to_string(), 1),
+            (EXECUTE_COMPLETED.to_string(), 2)
+        ]
+    );
+    let detail = history
+        .iter()
+        .find(|e| e.step_type == "Slow")
+        .and_then(|e| e.detail.clone())
+        .unwrap_or_default();
+    assert!(detail.contains("timed out after 200 ms"), "{detail}");
+    assert_eq!(
+        stack.attr("slow", "result").await,
+        Some(json!("ok on attempt 2"))
+    );
+}
+
+async fn the_heartbeat_timeout(factory: &dyn StoreFactory) {
+    let mut stack = Stack::new(factory);
+    stack.start_worker();
+    stack
+        .client
+        .start_flow("Retry", "silent", json!({"next": "Silent"}))
+        .await
+        .expect("start");
+    stack.wait_status("silent", FlowStatus::Completed).await;
+    let history = stack.history("silent").await;
+    assert_eq!(
+        events(&history, "Silent"),
+        vec![
+            (ATTEMPT_FAILED.to_string(), 1),
+            (EXECUTE_COMPLETED.to_string(), 2)
+        ]
+    );
+    let detail = history
+        .iter()
+        .find(|e| e.step_type == "Silent")
+        .and_then(|e| e.detail.clone())
+        .unwrap_or_default();
+    assert!(detail.contains("no heartbeat for 200 ms"), "{detail}");
+    // Attempt 2 ran for about 400 ms, twice the heartbeat timeout, and lived.
+    assert_eq!(
+        stack.attr("silent", "result").await,
+        Some(json!("ok on attempt 2"))
+    );
+}
+
+async fn go_to_many_runs_eight_steps_at_once(factory: &dyn StoreFactory) {
+    let mut stack = Stack::new(factory);
+    stack.start_worker();
+    stack
+        .client
+        .start_flow("FanOut", "fan", json!({}))
+        .await
+        .expect("start");
+    stack.wait_status("fan", FlowStatus::Completed).await;
+    assert_eq!(
+        stack.attr("fan", "joined").await,
+        Some(json!([0, 1, 2, 3, 4, 5, 6, 7]))
+    );
+    // The barrier let them through only together; the spans agree.
+    let spans = stack.probe.leaf_spans.lock().expect("spans").clone();
+    assert_eq!(spans.len(), 8);
+    let last_start = spans.iter().map(|s| s.0).max().expect("starts");
+    let first_end = spans.iter().map(|s| s.1).min().expect("ends");
+    assert!(
+        last_start <= first_end,
+        "every leaf started before any finished"
+    );
+}
+
+async fn channel_waits_for_one_and_for_n(factory: &dyn StoreFactory) {
+    let mut stack = Stack::new(factory);
+    stack.start_worker();
+    let publish = |flow: &'static str, channel: &'static str, key: &'static str, payload: Json| {
+        let client = stack.client.clone();
+        async move {
+            client
+                .rpc(flow, move |tx| {
+                    Ok(tx.publish(channel, key, payload.clone())?)
+                })
+                .await
+                .expect("publish")
+        }
+    };
+    stack
+        .client
+        .start_flow("Inbox", "one", json!({"mode": "one", "expect": 3}))
+        .await
+        .expect("start");
+    for n in 1..=3 {
+        publish("one", "inbox", "", json!(n)).await;
+    }
+    stack.wait_status("one", FlowStatus::Completed).await;
+    assert_eq!(stack.attr("one", "received").await, Some(json!([1, 2, 3])));
+    assert_eq!(
+        stack
+            .store
+            .channel_len("one", "inbox", "")
+            .await
+            .expect("len"),
+        0,
+        "all consumed"
+    );
+
+    stack
+        .client
+        .start_flow("Inbox", "batch", json!({"mode": "batch", "batch": 3}))
+        .await
+        .expect("start");
+    publish("batch", "inbox", "", json!("a")).await;
+    publish("batch", "inbox", "", json!("b")).await;
+    // Two of three: the Step must not run yet.
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert_eq!(stack.attr("batch", "batch").await, None);
+    publish("batch", "inbox", "", json!("c")).await;
+    publish("batch", "inbox", "", json!("d")).await;
+    stack.wait_status("batch", FlowStatus::Completed).await;
+    assert_eq!(
+        stack.attr("batch", "batch").await,
+        Some(json!(["a", "b", "c"]))
+    );
+    assert_eq!(
+        stack
+            .store
+            .channel_len("batch", "inbox", "")
+            .await
+            .expect("len"),
+        1,
+        "the fourth stays queued"
+    );
+
+    stack
+        .client
+        .start_flow("Inbox", "keyed", json!({"mode": "keyed", "key": "k2"}))
+        .await
+        .expect("start");
+    publish("keyed", "answers", "k1", json!("not mine")).await;
+    publish("keyed", "answers", "k2", json!("mine")).await;
+    stack.wait_status("keyed", FlowStatus::Completed).await;
+    assert_eq!(stack.attr("keyed", "answer").await, Some(json!(["mine"])));
+}
+
+async fn timers_fire_and_an_early_timer_waits_again(factory: &dyn StoreFactory) {
+    let mut stack = Stack::new(factory);
+    stack.start_worker();
+    stack
+        .client
+        .start_flow(
+            "Sleeper",
+            "nap",
+            json!({"deadline_ms": 400, "early_ms": 100}),
+        )
+        .await
+        .expect("start");
+    stack.wait_status("nap", FlowStatus::Completed).await;
+    let deadline = stack
+        .attr("nap", "deadline")
+        .await
+        .and_then(|v| v.as_i64())
+        .expect("deadline");
+    let woke_at = stack
+        .attr("nap", "woke_at")
+        .await
+        .and_then(|v| v.as_i64())
+        .expect("woke");
+    assert!(
+        woke_at >= deadline,
+        "woke at {woke_at}, before the deadline {deadline}"
+    );
+    assert_eq!(stack.attr("nap", "early_wakes").await, Some(json!(1)));
+    let wakes = events(&stack.history("nap").await, "Wake");
+    assert_eq!(wakes.len(), 2, "{wakes:?}");
+}
+
+async fn streams_trim_to_their_capacity(factory: &dyn StoreFactory) {
+    let mut stack = Stack::new(factory);
+    stack.start_worker();
+    stack
+        .store
+        .set_stream_capacity("s", "events", 2_000)
+        .await
+        .expect("capacity");
+    stack
+        .client
+        .start_flow("Streamer", "s", json!({"count": 60, "size": 90}))
+        .await
+        .expect("start");
+    // Read while it runs, by cursor.
+    let store = stack.store.clone();
+    let first = wait_until("stream entries", PATIENCE, || {
+        let store = store.clone();
+        async move {
+            let page = store.read_stream("s", "events", 0, 5).await.ok()?;
+            (!page.entries.is_empty()).then_some(page)
+        }
+    })
+    .await;
+    assert!(first.entries.windows(2).all(|w| w[1].seq == w[0].seq + 1));
+    stack.wait_status("s", FlowStatus::Completed).await;
+    let page = stack
+        .client
+        .read_stream("s", "events", 0, 1000)
+        .await
+        .expect("read");
+    assert_eq!(
+        page.next_seq, 62,
+        "60 live entries and one committed with the Step"
+    );
+    assert!(page.first_seq > 1, "old entries were trimmed");
+    let bytes: usize = page
+        .entries
+        .iter()
+        .map(|e| e.payload.to_string().len())
+        .sum();
+    assert!(bytes <= 2_000, "{bytes} bytes kept");
+    assert_eq!(page.entries.first().map(|e| e.seq), Some(page.first_seq));
+    assert_eq!(
+        page.entries.last().map(|e| e.payload.clone()),
+        Some(json!({"n": "last"}))
+    );
+    let after = page.entries[page.entries.len() - 3].seq;
+    let tail = stack
+        .client
+        .read_stream("s", "events", after, 10)
+        .await
+        .expect("cursor");
+    assert_eq!(tail.entries.len(), 2);
+    let too_big = stack
+        .store
+        .append_stream("s", "events", vec![json!("y".repeat(3_000))])
+        .await;
+    assert!(
+        matches!(too_big, Err(StoreError::Conflict(_))),
+        "{too_big:?}"
+    );
+}
+
+async fn an_rpc_meets_a_lock_conflict(factory: &dyn StoreFactory) {
+    let mut stack = Stack::new(factory);
+    stack.start_worker();
+    stack
+        .client
+        .start_flow("Locker", "lock", json!({}))
+        .await
+        .expect("start");
+    let probe = stack.probe.clone();
+    wait_until("Hold to run", PATIENCE, || {
+        let probe = probe.clone();
+        async move { (probe.runs_of("Hold") == 1).then_some(()) }
+    })
+    .await;
+    let once = stack
+        .client
+        .rpc_once("lock", |tx| {
+            tx.lock("GUARDED")?;
+            Ok(tx.set("GUARDED", "", json!("rpc"))?)
+        })
+        .await;
+    assert!(
+        matches!(once, Err(RpcError::LockConflict { ref name, .. }) if name == "GUARDED"),
+        "{once:?}"
+    );
+    assert_eq!(
+        stack.attr("lock", "GUARDED").await,
+        None,
+        "the conflicting RPC changed nothing"
+    );
+    // Unrelated state is not locked.
+    stack
+        .client
+        .rpc_once("lock", |tx| {
+            tx.lock("OTHER")?;
+            Ok(())
+        })
+        .await
+        .expect("no conflict");
+
+    // The retrying client gets through once the Step commits.
+    let client = stack.client.clone();
+    let retried = tokio::spawn(async move {
+        client
+            .rpc("lock", |tx| {
+                tx.lock("GUARDED")?;
+                Ok(tx.set("GUARDED", "", json!("rpc"))?)
+            })
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    stack.probe.release.notify_one();
+    let version = retried.await.expect("join").expect("rpc after release");
+    assert_eq!(version, 1);
+    stack.wait_status("lock", FlowStatus::Completed).await;
+}
+
+async fn a_stale_workers_commit_is_refused(factory: &dyn StoreFactory) {
+    let stack = Stack::new(factory);
+    stack
+        .client
+        .start_flow("Noop", "stale", json!({"left": 0}))
+        .await
+        .expect("start");
+    let types = vec!["Noop".to_string()];
+    let a = stack
+        .store
+        .claim("worker-a", &types, 1, 100)
+        .await
+        .expect("claim")
+        .pop()
+        .expect("a task");
+    assert_eq!(a.attempt, 1);
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    // The lease ran out; it is handed back and worker B takes it.
+    let expired = stack
+        .store
+        .expired_leases(&types, 10)
+        .await
+        .expect("expired");
+    assert_eq!(expired.len(), 1);
+    assert!(!expired[0].output_recorded);
+    let now = stack.store.now().await.expect("now");
+    let (action, history) = dexa::flow::retry::redelivery(&expired[0].task, now);
+    stack
+        .store
+        .fail_attempt(AttemptFailure {
+            task_id: a.task_id,
+            lease_token: a.lease_token,
+            flow_id: "stale".into(),
+            action,
+            history,
+            require_expired: true,
+        })
+        .await
+        .expect("reap");
+    let b = stack
+        .store
+        .claim("worker-b", &types, 1, 10_000)
+        .await
+        .expect("claim")
+        .pop()
+        .expect("b task");
+    assert_eq!(
+        (b.task_id, b.attempt),
+        (a.task_id, 1),
+        "redelivered at the same attempt"
+    );
+    assert!(b.lease_token > a.lease_token);
+
+    let commit = |task: &dexa::flow::ClaimedTask| StepCommit {
+        task_id: task.task_id,
+        lease_token: task.lease_token,
+        flow_id: "stale".into(),
+        consumed: vec![],
+        writes: vec![dexa::flow::StateWrite::Set {
+            name: "by".into(),
+            key: String::new(),
+            value: json!(task.lease_token),
+        }],
+        next: vec![],
+        complete_flow: false,
+        history: StepHistoryEntry {
+            event_type: EXECUTE_COMPLETED.into(),
+            step_type: task.step_type.clone(),
+            step_execution_id: task.step_execution_id.clone(),
+            final_attempt: task.attempt,
+            at: now,
+            detail: None,
+        },
+    };
+    let refused = stack.store.commit_step(commit(&a)).await;
+    assert!(
+        matches!(refused, Err(StoreError::StaleLease { .. })),
+        "{refused:?}"
+    );
+    assert!(matches!(
+        stack.store.record_output(a.task_id, a.lease_token).await,
+        Err(StoreError::StaleLease { .. })
+    ));
+    let lost = stack
+        .store
+        .renew_leases("worker-a", &[(a.task_id, a.lease_token)], 1000)
+        .await
+        .expect("renew");
+    assert_eq!(lost, vec![a.task_id]);
+    stack
+        .store
+        .commit_step(commit(&b))
+        .await
+        .expect("the current holder commits");
+    assert_eq!(stack.attr("stale", "by").await, Some(json!(b.lease_token)));
+    let history = stack.history("stale").await;
+    assert_eq!(
+        events(&history, "Step"),
+        vec![
+            (REDELIVERED.to_string(), 1),
+            (EXECUTE_COMPLETED.to_string(), 1)
+        ]
+    );
+    assert_eq!(
+        stack
+            .client
+            .flow("stale")
+            .await
+            .expect("flow")
+            .map(|f| f.status),
+        Some(FlowStatus::Completed)
+    );
+}
+
+async fn stopping_a_flow_keeps_its_state_readable(factory: &dyn StoreFactory) {
+    let mut stack = Stack::new(factory);
+    stack.start_worker();
+    stack
+        .client
+        .start_flow("Inbox", "stop-me", json!({"mode": "one", "expect": 5}))
+        .await
+        .expect("start");
+    stack
+        .client
+        .rpc("stop-me", |tx| {
+            Ok(tx.publish("inbox", "", json!("first"))?)
+        })
+        .await
+        .expect("publish");
+    let store = stack.store.clone();
+    wait_until("the first message to be received", PATIENCE, || {
+        let store = store.clone();
+        async move {
+            store
+                .get("stop-me", "received", "")
+                .await
+                .ok()
+                .flatten()
+                .map(|_| ())
+        }
+    })
+    .await;
+    assert!(stack.client.stop_flow("stop-me").await.expect("stop"));
+    assert!(
+        !stack.client.stop_flow("stop-me").await.expect("stop again"),
+        "already stopped"
+    );
+    stack
+        .client
+        .rpc("stop-me", |tx| {
+            Ok(tx.publish("inbox", "", json!("second"))?)
+        })
+        .await
+        .expect("publish");
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let info = stack
+        .client
+        .flow("stop-me")
+        .await
+        .expect("flow")
+        .expect("exists");
+    assert_eq!(info.status, FlowStatus::Stopped);
+    assert_eq!(
+        stack.attr("stop-me", "received").await,
+        Some(json!(["first"])),
+        "no Step ran after the stop"
+    );
+    assert!(matches!(
+        stack.client.start_flow("Inbox", "stop-me", json!({})).await,
+        Err(dexa::flow::FlowError::Store(StoreError::FlowExists { .. }))
+    ));
+}
+
+/// A worker child process, killed when dropped (also when a test fails).
+struct WorkerProcess(Child);
+
+impl WorkerProcess {
+    fn id(&self) -> u32 {
+        self.0.id()
+    }
+
+    fn kill(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for WorkerProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn spawn_worker_process(store: &Path, gates: &Path) -> WorkerProcess {
+    WorkerProcess(
+        Command::new(env!("CARGO_BIN_EXE_toy-worker"))
+            .arg(store)
+            .arg(gates)
+            .arg("300")
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("start toy-worker"),
+    )
+}
+
+/// Kills a worker process with SIGKILL mid-Step; a new worker process runs the
+/// Step again and the flow completes. Without output the same attempt is
+/// delivered again; after a heartbeat, the next attempt runs.
+async fn a_killed_worker_process_mid_step(factory: &dyn StoreFactory) {
+    if factory.name() != "sqlite" {
+        return;
+    }
+    let stack = Stack::new(factory);
+    let dir = stack._dir.path().to_path_buf();
+    let store_path = dir.join("store.sqlite");
+    for (flow, heartbeat, rerun_attempt, first_event) in [
+        ("quiet", false, 1, REDELIVERED),
+        ("beating", true, 2, ATTEMPT_FAILED),
+    ] {
+        let mut first = spawn_worker_process(&store_path, &dir);
+        stack
+            .client
+            .start_flow("Gated", flow, json!({"heartbeat": heartbeat}))
+            .await
+            .expect("start");
+        let gate = dir.join(format!("{flow}-attempt-1.reached"));
+        wait_until("the gate", PATIENCE, || {
+            let gate = gate.clone();
+            async move { gate.exists().then_some(()) }
+        })
+        .await;
+        assert_eq!(
+            std::fs::read_to_string(&gate).expect("gate"),
+            first.id().to_string()
+        );
+        first.kill();
+        // A redelivery reaches the same gate again; clear it to see the rerun.
+        std::fs::remove_file(&gate).expect("clear gate");
+
+        let mut second = spawn_worker_process(&store_path, &dir);
+        let rerun = dir.join(format!("{flow}-attempt-{rerun_attempt}.reached"));
+        let rerun_gate = rerun.clone();
+        wait_until("the rerun", PATIENCE, || {
+            let rerun = rerun_gate.clone();
+            async move { rerun.exists().then_some(()) }
+        })
+        .await;
+        assert_eq!(
+            std::fs::read_to_string(&rerun).expect("gate"),
+            second.id().to_string()
+        );
+        std::fs::write(dir.join(format!("{flow}.release")), "go").expect("release");
+        stack.wait_status(flow, FlowStatus::Completed).await;
+        let history = events(&stack.history(flow).await, "Work");
+        assert_eq!(
+            history,
+            vec![
+                (first_event.to_string(), 1),
+                (EXECUTE_COMPLETED.to_string(), rerun_attempt)
+            ]
+        );
+        second.kill();
+    }
+}
+
+async fn leases_fence_the_retry_policy(factory: &dyn StoreFactory) {
+    // A retry policy survives the trip through the store unchanged.
+    let stack = Stack::new(factory);
+    stack
+        .client
+        .start_flow("Retry", "policy", json!({"next": "Slow"}))
+        .await
+        .expect("start");
+    let task = stack
+        .store
+        .claim("w", &["Retry".to_string()], 1, 1000)
+        .await
+        .expect("claim")
+        .pop()
+        .expect("task");
+    assert_eq!(task.step_type, "Start");
+    assert_eq!(task.policy, RetryPolicy::default());
+    let now = stack.store.now().await.expect("now");
+    stack
+        .store
+        .fail_attempt(AttemptFailure {
+            task_id: task.task_id,
+            lease_token: task.lease_token,
+            flow_id: "policy".into(),
+            action: FailureAction::Retry {
+                attempt: 2,
+                not_before: now + 60_000,
+            },
+            history: dexa::flow::retry::redelivery(&task, now).1,
+            require_expired: false,
+        })
+        .await
+        .expect("retry later");
+    assert!(
+        stack
+            .store
+            .claim("w", &["Retry".to_string()], 1, 1000)
+            .await
+            .expect("claim")
+            .is_empty(),
+        "not before its time"
+    );
+    assert_eq!(
+        stack
+            .store
+            .next_due(&["Retry".to_string()])
+            .await
+            .expect("due"),
+        Some(now + 60_000)
+    );
+}
+
+macro_rules! backends {
+    ($($test:ident),* $(,)?) => {
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    super::$test(&super::SqliteFactory).await;
+                }
+            )*
+        }
+    };
+}
+
+backends!(
+    retries_then_the_failure_route,
+    the_per_attempt_timeout,
+    the_heartbeat_timeout,
+    go_to_many_runs_eight_steps_at_once,
+    channel_waits_for_one_and_for_n,
+    timers_fire_and_an_early_timer_waits_again,
+    streams_trim_to_their_capacity,
+    an_rpc_meets_a_lock_conflict,
+    a_stale_workers_commit_is_refused,
+    stopping_a_flow_keeps_its_state_readable,
+    a_killed_worker_process_mid_step,
+    leases_fence_the_retry_policy,
+);
