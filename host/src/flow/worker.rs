@@ -121,6 +121,7 @@ impl Worker {
                 .max_concurrent_tasks
                 .saturating_sub(running.len());
             let mut claimed_all = false;
+            let mut claimed_any = false;
             if free > 0 {
                 match self
                     .store
@@ -129,6 +130,7 @@ impl Worker {
                 {
                     Ok(tasks) => {
                         claimed_all = tasks.len() == free;
+                        claimed_any = !tasks.is_empty();
                         for task in tasks {
                             running.spawn(run_task(
                                 self.store.clone(),
@@ -145,7 +147,8 @@ impl Worker {
             if claimed_all {
                 continue;
             }
-            let sleep_for = self.idle_time(&flow_types, free > 0).await;
+            // Busy: the next commit or finished Step wakes the loop anyway.
+            let sleep_for = self.idle_time(&flow_types, free > 0 && !claimed_any).await;
             tokio::select! {
                 _ = &mut shutdown => break,
                 _ = &mut notified => {}

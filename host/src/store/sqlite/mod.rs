@@ -19,12 +19,12 @@ mod state;
 use std::any::Any;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
-use std::sync::{Arc, Mutex, Weak};
-use std::time::Duration;
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use rusqlite::{params, Connection, OptionalExtension, Transaction, TransactionBehavior};
-use tokio::sync::Notify;
+use rusqlite::{params, Connection, OptionalExtension};
+use tokio::sync::{oneshot, Notify};
 
 use crate::flow::store::{
     AttemptFailure, ExpiredLease, FailureAction, FlowStore, RpcBody, RpcError, StepCommit,
@@ -69,6 +69,7 @@ pub const DEFAULT_STREAM_CAPACITY: u64 = 10 << 20;
 
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 const WATCH_INTERVAL: Duration = Duration::from_millis(10);
+const CHECKPOINT_INTERVAL: Duration = Duration::from_secs(1);
 
 /// The SQLite store. Cheap to clone.
 #[derive(Clone)]
@@ -79,10 +80,27 @@ pub struct SqliteStore {
 struct Inner {
     path: PathBuf,
     options: SqliteOptions,
-    writer: Mutex<Connection>,
+    writer: Mutex<mpsc::Sender<WriteJob>>,
     readers: Mutex<Vec<Connection>>,
     signal: Arc<Notify>,
 }
+
+/// What a write job reports back to the writer thread.
+struct JobDone {
+    /// False rolls the job's savepoint back.
+    ok: bool,
+    /// The job may have made a task ready: wake the workers.
+    wake: bool,
+    /// Hands the result to the caller once the batch's commit is known.
+    deliver: Box<dyn FnOnce(Result<(), String>) + Send>,
+}
+
+/// A write, run by the writer thread inside the batch's transaction, or
+/// handed the reason no transaction could be opened.
+type WriteJob = Box<dyn FnOnce(Result<&Connection, String>, StoreMillis) -> JobDone + Send>;
+
+/// Writes queued together share one transaction (group commit).
+const MAX_BATCH: usize = 256;
 
 pub(crate) fn backend(err: impl std::fmt::Display) -> StoreError {
     StoreError::Backend(err.to_string())
@@ -93,6 +111,25 @@ pub(crate) fn now_millis() -> StoreMillis {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as i64)
         .unwrap_or(0)
+}
+
+/// `execute` through the connection's statement cache.
+pub(crate) fn cached_execute(
+    conn: &Connection,
+    sql: &str,
+    params: impl rusqlite::Params,
+) -> rusqlite::Result<usize> {
+    conn.prepare_cached(sql)?.execute(params)
+}
+
+/// `query_row` through the connection's statement cache.
+pub(crate) fn cached_query_row<T>(
+    conn: &Connection,
+    sql: &str,
+    params: impl rusqlite::Params,
+    f: impl FnOnce(&rusqlite::Row<'_>) -> rusqlite::Result<T>,
+) -> rusqlite::Result<T> {
+    conn.prepare_cached(sql)?.query_row(params, f)
 }
 
 fn connect(path: &Path, options: &SqliteOptions) -> Result<Connection, StoreError> {
@@ -107,6 +144,7 @@ fn connect(path: &Path, options: &SqliteOptions) -> Result<Connection, StoreErro
     };
     conn.pragma_update(None, "synchronous", sync)
         .map_err(backend)?;
+    conn.set_prepared_statement_cache_capacity(64);
     Ok(conn)
 }
 
@@ -121,54 +159,93 @@ impl SqliteStore {
         }
         let mut writer = connect(&path, &options)?;
         schema::migrate(&mut writer)?;
-        let inner = Arc::new(Inner {
-            path: path.clone(),
-            options: options.clone(),
-            writer: Mutex::new(writer),
-            readers: Mutex::new(Vec::new()),
-            signal: Arc::new(Notify::new()),
-        });
-        spawn_watcher(Arc::downgrade(&inner));
-        Ok(Self { inner })
+        // Checkpoints (which fsync) run on their own thread, not after commits.
+        writer
+            .pragma_update(None, "wal_autocheckpoint", 0)
+            .map_err(backend)?;
+        let checkpoints = spawn_checkpointer(connect(&path, &options)?)?;
+        let signal = Arc::new(Notify::new());
+        let (jobs, queue) = mpsc::channel();
+        std::thread::Builder::new()
+            .name("dexa-sqlite-writer".to_string())
+            .spawn({
+                let signal = signal.clone();
+                move || run_writer(writer, queue, signal, checkpoints)
+            })
+            .map_err(|err| StoreError::Backend(format!("cannot start the writer thread: {err}")))?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                path,
+                options,
+                writer: Mutex::new(jobs),
+                readers: Mutex::new(Vec::new()),
+                signal,
+            }),
+        })
     }
 
     pub fn path(&self) -> &Path {
         &self.inner.path
     }
 
-    /// Runs `work` in one write transaction, waking local workers after it.
+    /// Runs `work` in the writer's transaction and returns once it committed.
+    /// `wake` says whether it can make a task ready.
+    async fn write_job<T, E, F>(&self, wake: bool, work: F) -> Result<T, E>
+    where
+        T: Send + 'static,
+        E: From<StoreError> + Send + 'static,
+        F: FnOnce(&Connection, StoreMillis) -> Result<T, E> + Send + 'static,
+    {
+        let (reply, answer) = oneshot::channel::<Result<T, E>>();
+        let job: WriteJob = Box::new(move |conn, now| {
+            let result = match conn {
+                Ok(conn) => work(conn, now),
+                Err(reason) => Err(E::from(StoreError::Backend(reason))),
+            };
+            let ok = result.is_ok();
+            JobDone {
+                ok,
+                wake: wake && ok,
+                deliver: Box::new(move |committed| {
+                    let outcome = match (result, committed) {
+                        (Ok(value), Ok(())) => Ok(value),
+                        (Ok(_), Err(reason)) => Err(E::from(StoreError::Backend(reason))),
+                        (Err(err), _) => Err(err),
+                    };
+                    let _ = reply.send(outcome);
+                }),
+            }
+        });
+        let sent = self
+            .inner
+            .writer
+            .lock()
+            .map_err(|_| E::from(backend("the writer queue is poisoned")))?
+            .send(job);
+        if sent.is_err() {
+            return Err(E::from(backend("the SQLite writer thread has stopped")));
+        }
+        answer
+            .await
+            .map_err(|_| E::from(backend("the SQLite writer thread dropped a write")))?
+    }
+
+    /// A write that may make tasks ready.
     async fn write<T, F>(&self, work: F) -> Result<T, StoreError>
     where
         T: Send + 'static,
-        F: FnOnce(&Transaction<'_>, StoreMillis) -> Result<T, StoreError> + Send + 'static,
+        F: FnOnce(&Connection, StoreMillis) -> Result<T, StoreError> + Send + 'static,
     {
-        let result = self.write_quietly(work).await;
-        self.inner.signal.notify_waiters();
-        result
+        self.write_job(true, work).await
     }
 
-    /// Runs `work` in one write transaction that makes no task ready (claims,
-    /// lease renewals), so it wakes nobody.
+    /// A write that makes no task ready (claims, lease renewals).
     async fn write_quietly<T, F>(&self, work: F) -> Result<T, StoreError>
     where
         T: Send + 'static,
-        F: FnOnce(&Transaction<'_>, StoreMillis) -> Result<T, StoreError> + Send + 'static,
+        F: FnOnce(&Connection, StoreMillis) -> Result<T, StoreError> + Send + 'static,
     {
-        let inner = self.inner.clone();
-        tokio::task::spawn_blocking(move || {
-            let mut conn = inner
-                .writer
-                .lock()
-                .map_err(|_| backend("writer connection poisoned"))?;
-            let tx = conn
-                .transaction_with_behavior(TransactionBehavior::Immediate)
-                .map_err(backend)?;
-            let value = work(&tx, now_millis())?;
-            tx.commit().map_err(backend)?;
-            Ok(value)
-        })
-        .await
-        .map_err(backend)?
+        self.write_job(false, work).await
     }
 
     /// Runs `work` on a read connection.
@@ -197,31 +274,115 @@ impl SqliteStore {
     }
 }
 
-/// Wakes this process's workers when another process commits. It asks the
-/// writer connection, whose `data_version` ignores this process's own commits.
-fn spawn_watcher(inner: Weak<Inner>) {
-    let spawned = std::thread::Builder::new()
-        .name("dexa-sqlite-watch".to_string())
-        .spawn(move || {
-            let version = |inner: &Inner| -> Option<i64> {
-                let conn = inner.writer.lock().ok()?;
-                conn.query_row("PRAGMA data_version", [], |row| row.get(0))
-                    .ok()
-            };
-            let mut last = inner.upgrade().and_then(|inner| version(&inner));
-            loop {
-                std::thread::sleep(WATCH_INTERVAL);
-                let Some(inner) = inner.upgrade() else { break };
-                let now = version(&inner);
-                if now != last {
-                    last = now;
-                    inner.signal.notify_waiters();
+/// The writer thread: owns the write connection, runs queued writes in
+/// batches (one transaction, a savepoint per write, one commit), and between
+/// batches watches `data_version`, which changes only when another process
+/// commits, to wake this process's workers.
+fn run_writer(
+    conn: Connection,
+    queue: mpsc::Receiver<WriteJob>,
+    signal: Arc<Notify>,
+    // Dropped with this thread, which stops the checkpointer.
+    _checkpoints: mpsc::Sender<()>,
+) {
+    let data_version = |conn: &Connection| -> Option<i64> {
+        conn.query_row("PRAGMA data_version", [], |row| row.get(0))
+            .ok()
+    };
+    let mut last_version = data_version(&conn);
+    let mut last_check = Instant::now();
+    loop {
+        match queue.recv_timeout(WATCH_INTERVAL) {
+            Ok(first) => {
+                let mut batch = vec![first];
+                while batch.len() < MAX_BATCH {
+                    match queue.try_recv() {
+                        Ok(job) => batch.push(job),
+                        Err(_) => break,
+                    }
+                }
+                if run_batch(&conn, batch) {
+                    signal.notify_waiters();
                 }
             }
-        });
-    if let Err(err) = spawned {
-        tracing::warn!(error = %err, "cannot start the SQLite change watcher; workers fall back to polling");
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        }
+        if last_check.elapsed() >= WATCH_INTERVAL {
+            last_check = Instant::now();
+            let version = data_version(&conn);
+            if version != last_version {
+                last_version = version;
+                signal.notify_waiters();
+            }
+        }
     }
+}
+
+/// Copies the WAL back into the database file every second, without
+/// blocking writers; it stops when the writer thread does.
+fn spawn_checkpointer(conn: Connection) -> Result<mpsc::Sender<()>, StoreError> {
+    let (alive, stopped) = mpsc::channel::<()>();
+    std::thread::Builder::new()
+        .name("dexa-sqlite-checkpoint".to_string())
+        .spawn(move || {
+            while let Err(mpsc::RecvTimeoutError::Timeout) =
+                stopped.recv_timeout(CHECKPOINT_INTERVAL)
+            {
+                if let Err(err) = conn.execute_batch("PRAGMA wal_checkpoint(PASSIVE)") {
+                    tracing::debug!(error = %err, "WAL checkpoint failed; will retry");
+                }
+            }
+        })
+        .map_err(|err| StoreError::Backend(format!("cannot start the checkpoint thread: {err}")))?;
+    Ok(alive)
+}
+
+/// Runs one batch; true when a committed write may have made work ready.
+fn run_batch(conn: &Connection, batch: Vec<WriteJob>) -> bool {
+    let now = now_millis();
+    if let Err(err) = conn.execute_batch("BEGIN IMMEDIATE") {
+        let reason = format!("cannot begin a write transaction: {err}");
+        for job in batch {
+            (job(Err(reason.clone()), now).deliver)(Err(reason.clone()));
+        }
+        return false;
+    }
+    let mut done = Vec::with_capacity(batch.len());
+    for job in batch {
+        let savepoint = conn.execute_batch("SAVEPOINT job");
+        let outcome = match savepoint {
+            Ok(()) => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(Ok(conn), now))),
+            Err(err) => Ok(job(Err(format!("cannot open a savepoint: {err}")), now)),
+        };
+        match outcome {
+            Ok(result) => {
+                let closed = if result.ok {
+                    conn.execute_batch("RELEASE job")
+                } else {
+                    conn.execute_batch("ROLLBACK TO job; RELEASE job")
+                };
+                if let Err(err) = closed {
+                    tracing::error!(error = %err, "closing a savepoint failed");
+                }
+                done.push(result);
+            }
+            Err(_) => {
+                // The job panicked (its reply sender is gone with it): undo it.
+                tracing::error!("a store write panicked; it was rolled back");
+                let _ = conn.execute_batch("ROLLBACK TO job; RELEASE job");
+            }
+        }
+    }
+    let committed = conn.execute_batch("COMMIT").map_err(|err| {
+        let _ = conn.execute_batch("ROLLBACK");
+        format!("commit failed: {err}")
+    });
+    let wake = committed.is_ok() && done.iter().any(|d| d.wake);
+    for result in done {
+        (result.deliver)(committed.clone());
+    }
+    wake
 }
 
 fn in_list(count: usize) -> String {
@@ -283,13 +444,13 @@ impl FlowStore for SqliteStore {
     ) -> Result<(), StoreError> {
         let (flow_id, flow_type) = (flow_id.to_string(), flow_type.to_string());
         self.write(move |tx, now| {
-            let inserted = tx
-                .execute(
-                    "INSERT INTO flows (flow_id, flow_type, status, created_at_ms, updated_at_ms)
+            let inserted = cached_execute(
+                tx,
+                "INSERT INTO flows (flow_id, flow_type, status, created_at_ms, updated_at_ms)
                      VALUES (?1, ?2, 'running', ?3, ?3) ON CONFLICT (flow_id) DO NOTHING",
-                    params![flow_id, flow_type, now],
-                )
-                .map_err(backend)?;
+                params![flow_id, flow_type, now],
+            )
+            .map_err(backend)?;
             if inserted == 0 {
                 return Err(StoreError::FlowExists { flow_id });
             }
@@ -331,13 +492,13 @@ impl FlowStore for SqliteStore {
     async fn stop_flow(&self, flow_id: &str) -> Result<bool, StoreError> {
         let flow_id = flow_id.to_string();
         self.write(move |tx, now| {
-            let stopped = tx
-                .execute(
-                    "UPDATE flows SET status = 'stopped', updated_at_ms = ?2
+            let stopped = cached_execute(
+                tx,
+                "UPDATE flows SET status = 'stopped', updated_at_ms = ?2
                      WHERE flow_id = ?1 AND status = 'running'",
-                    params![flow_id, now],
-                )
-                .map_err(backend)?;
+                params![flow_id, now],
+            )
+            .map_err(backend)?;
             if stopped > 0 {
                 state::drop_tasks(tx, &flow_id)?;
             }
@@ -381,8 +542,7 @@ impl FlowStore for SqliteStore {
                 )
                 .map_err(backend)?;
             for (task_id, token) in held {
-                let renewed = stmt
-                    .execute(params![now + lease_ms, task_id, token, worker_id])
+                let renewed = stmt.execute(params![now + lease_ms, task_id, token, worker_id])
                     .map_err(backend)?;
                 if renewed == 0 {
                     lost.push(task_id);
@@ -395,13 +555,13 @@ impl FlowStore for SqliteStore {
 
     async fn record_output(&self, task_id: i64, lease_token: i64) -> Result<(), StoreError> {
         self.write_quietly(move |tx, _| {
-            let updated = tx
-                .execute(
-                    "UPDATE tasks SET output_recorded = 1
+            let updated = cached_execute(
+                tx,
+                "UPDATE tasks SET output_recorded = 1
                      WHERE task_id = ?1 AND lease_token = ?2 AND state = 'leased'",
-                    params![task_id, lease_token],
-                )
-                .map_err(backend)?;
+                params![task_id, lease_token],
+            )
+            .map_err(backend)?;
             if updated == 0 {
                 return Err(StoreError::StaleLease { task_id });
             }
@@ -419,11 +579,11 @@ impl FlowStore for SqliteStore {
         self.write(move |tx, now| {
             state::check_lease(tx, failure.task_id, failure.lease_token, failure.require_expired.then_some(now))?;
             state::insert_history(tx, &failure.flow_id, &failure.history)?;
-            tx.execute("DELETE FROM state_locks WHERE task_id = ?1", params![failure.task_id])
+            cached_execute(tx, "DELETE FROM state_locks WHERE task_id = ?1", params![failure.task_id])
                 .map_err(backend)?;
             match failure.action {
                 FailureAction::Retry { attempt, not_before } => {
-                    tx.execute(
+                    cached_execute(tx,
                         "UPDATE tasks SET state = 'ready', attempt = ?2, not_before_ms = ?3,
                          lease_owner = NULL, lease_expires_ms = NULL, output_recorded = 0
                          WHERE task_id = ?1",
@@ -432,7 +592,7 @@ impl FlowStore for SqliteStore {
                     .map_err(backend)?;
                 }
                 FailureAction::Redeliver => {
-                    tx.execute(
+                    cached_execute(tx,
                         "UPDATE tasks SET state = 'ready', lease_owner = NULL, lease_expires_ms = NULL
                          WHERE task_id = ?1",
                         params![failure.task_id],
@@ -440,10 +600,9 @@ impl FlowStore for SqliteStore {
                     .map_err(backend)?;
                 }
                 FailureAction::GiveUp { route, flow_error } => {
-                    tx.execute("DELETE FROM tasks WHERE task_id = ?1", params![failure.task_id])
+                    cached_execute(tx, "DELETE FROM tasks WHERE task_id = ?1", params![failure.task_id])
                         .map_err(backend)?;
-                    let flow_type: String = tx
-                        .query_row(
+                    let flow_type: String = cached_query_row(tx,
                             "SELECT flow_type FROM flows WHERE flow_id = ?1",
                             params![failure.flow_id],
                             |row| row.get(0),
@@ -454,7 +613,7 @@ impl FlowStore for SqliteStore {
                             state::insert_task(tx, &failure.flow_id, &flow_type, &route)?;
                         }
                         None => {
-                            tx.execute(
+                            cached_execute(tx,
                                 "UPDATE flows SET status = 'failed', error = ?2, updated_at_ms = ?3
                                  WHERE flow_id = ?1",
                                 params![failure.flow_id, flow_error, now],
@@ -499,7 +658,7 @@ impl FlowStore for SqliteStore {
                    SELECT MIN(lease_expires_ms) FROM tasks WHERE state = 'leased' AND flow_type IN ({list}))"
             );
             let params: Vec<&String> = flow_types.iter().chain(&flow_types).chain(&flow_types).collect();
-            conn.query_row(&sql, rusqlite::params_from_iter(params), |row| row.get(0))
+            cached_query_row(conn, &sql, rusqlite::params_from_iter(params), |row| row.get(0))
                 .map_err(backend)
         })
         .await
@@ -606,27 +765,11 @@ impl FlowStore for SqliteStore {
 
     async fn rpc(&self, flow_id: &str, body: RpcBody) -> Result<Box<dyn Any + Send>, RpcError> {
         let flow_id = flow_id.to_string();
-        let inner = self.inner.clone();
-        let result =
-            tokio::task::spawn_blocking(move || -> Result<Box<dyn Any + Send>, RpcError> {
-                let mut conn = inner
-                    .writer
-                    .lock()
-                    .map_err(|_| backend("writer connection poisoned"))?;
-                let tx = conn
-                    .transaction_with_behavior(TransactionBehavior::Immediate)
-                    .map_err(backend)?;
-                let value = {
-                    let mut state = SqliteStateTx::new(&tx, flow_id, now_millis());
-                    body(&mut state)?
-                };
-                tx.commit().map_err(backend)?;
-                Ok(value)
-            })
-            .await
-            .map_err(|err| RpcError::Store(backend(err)))?;
-        self.inner.signal.notify_waiters();
-        result
+        self.write_job(true, move |conn, now| {
+            let mut state = SqliteStateTx::new(conn, flow_id, now);
+            body(&mut state)
+        })
+        .await
     }
 }
 
@@ -636,7 +779,7 @@ pub(crate) fn exists(
     sql: &str,
     params: impl rusqlite::Params,
 ) -> Result<bool, StoreError> {
-    conn.query_row(sql, params, |_| Ok(()))
+    cached_query_row(conn, sql, params, |_| Ok(()))
         .optional()
         .map(|found| found.is_some())
         .map_err(backend)

@@ -3,7 +3,7 @@
 
 use rusqlite::{params, params_from_iter, Connection, OptionalExtension, Row};
 
-use super::{backend, exists, in_list, DEFAULT_STREAM_CAPACITY};
+use super::{backend, cached_execute, cached_query_row, exists, in_list, DEFAULT_STREAM_CAPACITY};
 use crate::flow::store::{ExpiredLease, RpcError, StateTx, StepCommit, StoreError};
 use crate::flow::types::{
     ChannelMessage, ClaimedTask, FlowInfo, Json, MapQuery, NewTask, RetryPolicy, StateWrite,
@@ -19,17 +19,17 @@ fn parse_json(what: &str, text: &str) -> Result<Json, StoreError> {
 }
 
 pub(super) fn flow_info(conn: &Connection, flow_id: &str) -> Result<Option<FlowInfo>, StoreError> {
-    let row = conn
-        .query_row(
-            &format!(
-                "SELECT {} FROM flows WHERE flow_id = ?1",
-                super::FLOW_COLUMNS
-            ),
-            params![flow_id],
-            super::flow_row,
-        )
-        .optional()
-        .map_err(backend)?;
+    let row = cached_query_row(
+        conn,
+        &format!(
+            "SELECT {} FROM flows WHERE flow_id = ?1",
+            super::FLOW_COLUMNS
+        ),
+        params![flow_id],
+        super::flow_row,
+    )
+    .optional()
+    .map_err(backend)?;
     row.map(super::to_flow_info).transpose()
 }
 
@@ -49,7 +49,8 @@ pub(super) fn insert_task(
     };
     let policy = serde_json::to_string(&task.policy).map_err(backend)?;
     let locks = serde_json::to_string(&task.locks).map_err(backend)?;
-    conn.execute(
+    cached_execute(
+        conn,
         "INSERT INTO tasks (flow_id, flow_type, step_type, input, state, attempt, not_before_ms,
             wait_channel, wait_key, wait_count, wake_at_ms, policy, failure_route, failure, locks)
          VALUES (?1, ?2, ?3, ?4, ?5, 1, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
@@ -85,7 +86,8 @@ fn wake_waiters(
     channel: &str,
     key: &str,
 ) -> Result<(), StoreError> {
-    conn.execute(
+    cached_execute(
+        conn,
         "UPDATE tasks SET state = 'ready'
          WHERE flow_id = ?1 AND state = 'waiting' AND wait_channel = ?2 AND wait_key = ?3
            AND wait_count <= (SELECT COUNT(*) FROM channel_messages
@@ -97,13 +99,18 @@ fn wake_waiters(
 }
 
 pub(super) fn drop_tasks(conn: &Connection, flow_id: &str) -> Result<(), StoreError> {
-    conn.execute(
+    cached_execute(
+        conn,
         "DELETE FROM state_locks WHERE flow_id = ?1",
         params![flow_id],
     )
     .map_err(backend)?;
-    conn.execute("DELETE FROM tasks WHERE flow_id = ?1", params![flow_id])
-        .map_err(backend)?;
+    cached_execute(
+        conn,
+        "DELETE FROM tasks WHERE flow_id = ?1",
+        params![flow_id],
+    )
+    .map_err(backend)?;
     Ok(())
 }
 
@@ -163,13 +170,13 @@ struct TaskRowRaw {
 }
 
 fn load_task(conn: &Connection, task_id: i64) -> Result<TaskRow, StoreError> {
-    let raw = conn
-        .query_row(
-            &format!("SELECT {TASK_COLUMNS} FROM tasks WHERE task_id = ?1"),
-            params![task_id],
-            task_row,
-        )
-        .map_err(backend)?;
+    let raw = cached_query_row(
+        conn,
+        &format!("SELECT {TASK_COLUMNS} FROM tasks WHERE task_id = ?1"),
+        params![task_id],
+        task_row,
+    )
+    .map_err(backend)?;
     let what = format!("task {}", raw.task_id);
     let policy: RetryPolicy =
         serde_json::from_str(&raw.policy).map_err(|err| corrupt(&what, err))?;
@@ -261,7 +268,7 @@ pub(super) fn claim(
     };
     let mut claimed = Vec::with_capacity(ids.len());
     for task_id in ids {
-        conn.execute(
+        cached_execute(conn,
             "UPDATE tasks SET state = 'leased', lease_owner = ?2, lease_token = lease_token + 1,
                 lease_expires_ms = ?3, attempt_started_at_ms = ?4,
                 first_attempt_at_ms = COALESCE(first_attempt_at_ms, ?4), output_recorded = 0,
@@ -280,7 +287,8 @@ pub(super) fn claim(
             }
         }
         for name in &task.locks {
-            conn.execute(
+            cached_execute(
+                conn,
                 "INSERT OR IGNORE INTO state_locks (flow_id, name, task_id) VALUES (?1, ?2, ?3)",
                 params![task.flow_id, name, task_id],
             )
@@ -324,7 +332,7 @@ pub(super) fn insert_history(
     flow_id: &str,
     entry: &StepHistoryEntry,
 ) -> Result<(), StoreError> {
-    conn.execute(
+    cached_execute(conn,
         "INSERT INTO step_history (flow_id, event_type, step_type, step_execution_id, attempt, at_ms, detail)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
         params![
@@ -348,20 +356,20 @@ pub(super) fn commit_step(
 ) -> Result<(), StoreError> {
     check_lease(conn, commit.task_id, commit.lease_token, None)?;
     let flow_id = &commit.flow_id;
-    let flow_type: String = conn
-        .query_row(
-            "SELECT flow_type FROM tasks WHERE task_id = ?1",
-            params![commit.task_id],
-            |row| row.get(0),
+    let flow_type: String = cached_query_row(
+        conn,
+        "SELECT flow_type FROM tasks WHERE task_id = ?1",
+        params![commit.task_id],
+        |row| row.get(0),
+    )
+    .map_err(backend)?;
+    for message_id in &commit.consumed {
+        let deleted = cached_execute(
+            conn,
+            "DELETE FROM channel_messages WHERE message_id = ?1",
+            params![message_id],
         )
         .map_err(backend)?;
-    for message_id in &commit.consumed {
-        let deleted = conn
-            .execute(
-                "DELETE FROM channel_messages WHERE message_id = ?1",
-                params![message_id],
-            )
-            .map_err(backend)?;
         if deleted == 0 {
             return Err(StoreError::Conflict(format!(
                 "channel message {message_id} was already consumed"
@@ -372,12 +380,14 @@ pub(super) fn commit_step(
         apply_write(conn, now, flow_id, write)?;
     }
     insert_history(conn, flow_id, &commit.history)?;
-    conn.execute(
+    cached_execute(
+        conn,
         "DELETE FROM state_locks WHERE task_id = ?1",
         params![commit.task_id],
     )
     .map_err(backend)?;
-    conn.execute(
+    cached_execute(
+        conn,
         "DELETE FROM tasks WHERE task_id = ?1",
         params![commit.task_id],
     )
@@ -395,7 +405,7 @@ pub(super) fn commit_step(
         params![flow_id],
     )?;
     let status = if remaining { "running" } else { "completed" };
-    conn.execute(
+    cached_execute(conn,
         "UPDATE flows SET status = ?2, updated_at_ms = ?3 WHERE flow_id = ?1 AND status = 'running'",
         params![flow_id, status, now],
     )
@@ -415,7 +425,8 @@ pub(super) fn apply_write(
         }
         StateWrite::Delete { name, key } => delete(conn, flow_id, name, key)?,
         StateWrite::Clear { name } => {
-            conn.execute(
+            cached_execute(
+                conn,
                 "DELETE FROM attributes WHERE flow_id = ?1 AND name = ?2",
                 params![flow_id, name],
             )
@@ -439,14 +450,14 @@ pub(super) fn get(
     name: &str,
     key: &str,
 ) -> Result<Option<Versioned>, StoreError> {
-    let row = conn
-        .query_row(
-            "SELECT value, version FROM attributes WHERE flow_id = ?1 AND name = ?2 AND key = ?3",
-            params![flow_id, name, key],
-            |row| Ok((row.get::<_, String>(0)?, row.get::<_, i64>(1)?)),
-        )
-        .optional()
-        .map_err(backend)?;
+    let row = cached_query_row(
+        conn,
+        "SELECT value, version FROM attributes WHERE flow_id = ?1 AND name = ?2 AND key = ?3",
+        params![flow_id, name, key],
+        |row| Ok((row.get::<_, String>(0)?, row.get::<_, i64>(1)?)),
+    )
+    .optional()
+    .map_err(backend)?;
     row.map(|(value, version)| {
         Ok(Versioned {
             value: parse_json(&format!("{name}/{key}"), &value)?,
@@ -463,7 +474,7 @@ fn set(
     key: &str,
     value: &Json,
 ) -> Result<i64, StoreError> {
-    conn.query_row(
+    cached_query_row(conn,
         "INSERT INTO attributes (flow_id, name, key, value, version) VALUES (?1, ?2, ?3, ?4, 1)
          ON CONFLICT (flow_id, name, key) DO UPDATE SET value = excluded.value, version = version + 1
          RETURNING version",
@@ -474,7 +485,8 @@ fn set(
 }
 
 fn delete(conn: &Connection, flow_id: &str, name: &str, key: &str) -> Result<(), StoreError> {
-    conn.execute(
+    cached_execute(
+        conn,
         "DELETE FROM attributes WHERE flow_id = ?1 AND name = ?2 AND key = ?3",
         params![flow_id, name, key],
     )
@@ -490,7 +502,8 @@ fn publish(
     key: &str,
     payload: &Json,
 ) -> Result<(), StoreError> {
-    conn.execute(
+    cached_execute(
+        conn,
         "INSERT INTO channel_messages (flow_id, channel, key, payload, published_at_ms)
          VALUES (?1, ?2, ?3, ?4, ?5)",
         params![flow_id, channel, key, payload.to_string(), now],
@@ -546,7 +559,8 @@ pub(super) fn channel_len(
     channel: &str,
     key: &str,
 ) -> Result<u64, StoreError> {
-    conn.query_row(
+    cached_query_row(
+        conn,
         "SELECT COUNT(*) FROM channel_messages WHERE flow_id = ?1 AND channel = ?2 AND key = ?3",
         params![flow_id, channel, key],
         |row| row.get::<_, i64>(0),
@@ -560,8 +574,7 @@ fn stream_meta(
     flow_id: &str,
     stream: &str,
 ) -> Result<(i64, u64, u64), StoreError> {
-    let meta = conn
-        .query_row(
+    let meta = cached_query_row(conn,
             "SELECT next_seq, total_bytes, capacity_bytes FROM streams WHERE flow_id = ?1 AND stream = ?2",
             params![flow_id, stream],
             |row| Ok((row.get::<_, i64>(0)?, row.get::<_, i64>(1)? as u64, row.get::<_, i64>(2)? as u64)),
@@ -577,7 +590,7 @@ fn save_stream_meta(
     stream: &str,
     meta: (i64, u64, u64),
 ) -> Result<(), StoreError> {
-    conn.execute(
+    cached_execute(conn,
         "INSERT INTO streams (flow_id, stream, next_seq, total_bytes, capacity_bytes) VALUES (?1, ?2, ?3, ?4, ?5)
          ON CONFLICT (flow_id, stream) DO UPDATE SET next_seq = excluded.next_seq,
             total_bytes = excluded.total_bytes, capacity_bytes = excluded.capacity_bytes",
@@ -596,8 +609,7 @@ fn trim_stream(
     capacity: u64,
 ) -> Result<(), StoreError> {
     while *total > capacity {
-        let oldest = conn
-            .query_row(
+        let oldest = cached_query_row(conn,
                 "SELECT seq, bytes FROM stream_entries WHERE flow_id = ?1 AND stream = ?2 ORDER BY seq LIMIT 1",
                 params![flow_id, stream],
                 |row| Ok((row.get::<_, i64>(0)?, row.get::<_, i64>(1)? as u64)),
@@ -608,7 +620,8 @@ fn trim_stream(
             *total = 0;
             break;
         };
-        conn.execute(
+        cached_execute(
+            conn,
             "DELETE FROM stream_entries WHERE flow_id = ?1 AND stream = ?2 AND seq = ?3",
             params![flow_id, stream, seq],
         )
@@ -635,7 +648,7 @@ pub(super) fn append_stream(
                 "a {bytes}-byte entry does not fit stream {stream} (capacity {capacity} bytes)"
             )));
         }
-        conn.execute(
+        cached_execute(conn,
             "INSERT INTO stream_entries (flow_id, stream, seq, payload, bytes, at_ms) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
             params![flow_id, stream, next_seq, text, bytes as i64, now],
         )
@@ -668,13 +681,13 @@ pub(super) fn read_stream(
     limit: usize,
 ) -> Result<StreamPage, StoreError> {
     let (next_seq, _, _) = stream_meta(conn, flow_id, stream)?;
-    let first_seq: Option<i64> = conn
-        .query_row(
-            "SELECT MIN(seq) FROM stream_entries WHERE flow_id = ?1 AND stream = ?2",
-            params![flow_id, stream],
-            |row| row.get(0),
-        )
-        .map_err(backend)?;
+    let first_seq: Option<i64> = cached_query_row(
+        conn,
+        "SELECT MIN(seq) FROM stream_entries WHERE flow_id = ?1 AND stream = ?2",
+        params![flow_id, stream],
+        |row| row.get(0),
+    )
+    .map_err(backend)?;
     let mut stmt = conn
         .prepare_cached(
             "SELECT seq, payload, at_ms FROM stream_entries
