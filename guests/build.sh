@@ -24,7 +24,8 @@ profile_flag=()
 
 if rustup target list --installed 2>/dev/null | grep -qx wasm32-wasip2; then
     log "building with rustup's wasm32-wasip2 target"
-    (cd "$here" && cargo build "${profile_flag[@]}" --target wasm32-wasip2)
+    (cd "$here" && cargo build "${profile_flag[@]}" --target wasm32-wasip2 --workspace --exclude tiny-tool \
+        && cargo build "${profile_flag[@]}" --target wasm32-wasip2 -p tiny-tool)
 else
     debian_packages=(rust-web-src rustc-web cargo-web lld-22 wasi-libc)
     missing=()
@@ -52,7 +53,9 @@ else
         export CARGO_TARGET_WASM32_WASIP2_LINKER="$component_ld"
         export CARGO_TARGET_WASM32_WASIP2_RUSTFLAGS="-Clink-self-contained=no -Lnative=/usr/lib/wasm32-wasi -Clink-arg=--wasm-ld-path=/usr/lib/llvm-22/bin/wasm-ld"
         # rustup's cargo shadows Debian's on PATH; -Zbuild-std needs Debian's.
-        /usr/bin/cargo build "${profile_flag[@]}" -Zbuild-std=std,panic_abort --target wasm32-wasip2
+        build() { /usr/bin/cargo build "${profile_flag[@]}" -Zbuild-std=std,panic_abort --target wasm32-wasip2 "$@"; }
+        build --workspace --exclude tiny-tool
+        build -p tiny-tool
     )
     touch "$std_marker"
 fi

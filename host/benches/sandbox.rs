@@ -1,5 +1,7 @@
 //! Instantiate-plus-call cost of a fresh sandbox, per call:
-//! - `tool/echo`: the trivial `echo` tool of `echo-tool`;
+//! - `tool/tiny-echo`: `echo` of `tiny-tool`, a `no_std` component with no
+//!   WASI imports: the host's own per-call cost;
+//! - `tool/echo`: `echo` of `echo-tool`, a Rust std (wasi-libc) component;
 //! - `runner/run-model-step-50`: the scripted runner, given a turn context of
 //!   50 messages.
 //!
@@ -92,6 +94,7 @@ fn turn_of_50_messages() -> TurnContext {
 
 struct Fixture {
     rt: tokio::runtime::Runtime,
+    tiny: ToolComponent,
     tool: ToolComponent,
     runner: RunnerComponent,
     call: DeferredToolExecution,
@@ -114,6 +117,9 @@ impl Fixture {
         let tool = rt
             .block_on(engine.load_tool(&guest("echo-tool"), ComponentSettings::named("echo-tool")))
             .expect("echo-tool");
+        let tiny = rt
+            .block_on(engine.load_tool(&guest("tiny-tool"), ComponentSettings::named("tiny-tool")))
+            .expect("tiny-tool");
         let runner = engine
             .load_runner(
                 &guest("scripted-runner"),
@@ -122,6 +128,7 @@ impl Fixture {
             .expect("scripted-runner");
         Self {
             rt,
+            tiny,
             tool,
             runner,
             call: echo_call(),
@@ -130,9 +137,16 @@ impl Fixture {
     }
 
     fn echo_once(&self) {
-        let output = self
-            .rt
-            .block_on(self.tool.call(env(), &self.call))
+        Self::echo(&self.rt, &self.tool, &self.call);
+    }
+
+    fn tiny_echo_once(&self) {
+        Self::echo(&self.rt, &self.tiny, &self.call);
+    }
+
+    fn echo(rt: &tokio::runtime::Runtime, tool: &ToolComponent, call: &DeferredToolExecution) {
+        let output = rt
+            .block_on(tool.call(env(), call))
             .expect("call")
             .expect("output");
         assert_eq!(output.len(), 13);
@@ -150,6 +164,7 @@ impl Fixture {
 fn bench_sandbox(c: &mut Criterion) {
     let fixture = Fixture::new();
     let mut group = c.benchmark_group("sandbox");
+    group.bench_function("tool/tiny-echo", |b| b.iter(|| fixture.tiny_echo_once()));
     group.bench_function("tool/echo", |b| b.iter(|| fixture.echo_once()));
     group.bench_function("runner/run-model-step-50", |b| {
         b.iter(|| fixture.run_model_step_once())
@@ -167,7 +182,8 @@ type BenchCase<'a> = &'a dyn Fn(&Fixture);
 /// Times each call on its own and prints p50/p99 and throughput.
 fn report_percentiles(samples: usize) {
     let fixture = Fixture::new();
-    let cases: [(&str, BenchCase); 2] = [
+    let cases: [(&str, BenchCase); 3] = [
+        ("tool/tiny-echo", &|f: &Fixture| f.tiny_echo_once()),
         ("tool/echo", &|f: &Fixture| f.echo_once()),
         ("runner/run-model-step-50", &|f: &Fixture| {
             f.run_model_step_once()

@@ -98,7 +98,8 @@ fn load_runner(
 #[tokio::test]
 async fn every_guest_loads_and_every_export_can_be_called() {
     let engine = test_engine();
-    let expected_tools: [(&str, &[&str]); 4] = [
+    let expected_tools: [(&str, &[&str]); 5] = [
+        ("tiny-tool", &["echo"]),
         (
             "echo-tool",
             &[
