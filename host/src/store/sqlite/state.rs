@@ -177,6 +177,10 @@ fn load_task(conn: &Connection, task_id: i64) -> Result<TaskRow, StoreError> {
         task_row,
     )
     .map_err(backend)?;
+    decode_task(raw)
+}
+
+fn decode_task(raw: TaskRowRaw) -> Result<TaskRow, StoreError> {
     let what = format!("task {}", raw.task_id);
     let policy: RetryPolicy =
         serde_json::from_str(&raw.policy).map_err(|err| corrupt(&what, err))?;
@@ -268,16 +272,20 @@ pub(super) fn claim(
     };
     let mut claimed = Vec::with_capacity(ids.len());
     for task_id in ids {
-        cached_execute(conn,
-            "UPDATE tasks SET state = 'leased', lease_owner = ?2, lease_token = lease_token + 1,
-                lease_expires_ms = ?3, attempt_started_at_ms = ?4,
-                first_attempt_at_ms = COALESCE(first_attempt_at_ms, ?4), output_recorded = 0,
-                timer_fired = CASE WHEN wake_at_ms IS NOT NULL AND wake_at_ms <= ?4 THEN 1 ELSE 0 END
-             WHERE task_id = ?1",
+        let raw = cached_query_row(
+            conn,
+            &format!(
+                "UPDATE tasks SET state = 'leased', lease_owner = ?2, lease_token = lease_token + 1,
+                    lease_expires_ms = ?3, attempt_started_at_ms = ?4,
+                    first_attempt_at_ms = COALESCE(first_attempt_at_ms, ?4), output_recorded = 0,
+                    timer_fired = CASE WHEN wake_at_ms IS NOT NULL AND wake_at_ms <= ?4 THEN 1 ELSE 0 END
+                 WHERE task_id = ?1 RETURNING {TASK_COLUMNS}"
+            ),
             params![task_id, worker_id, now + lease_ms, now],
+            task_row,
         )
         .map_err(backend)?;
-        let TaskRow { mut task, wait, .. } = load_task(conn, task_id)?;
+        let TaskRow { mut task, wait, .. } = decode_task(raw)?;
         if let Some((channel, key, count)) = wait {
             let messages = channel_messages(conn, &task.flow_id, &channel, &key, count)?;
             // A timer can wake the task before the condition holds; then it
@@ -354,15 +362,22 @@ pub(super) fn commit_step(
     now: StoreMillis,
     commit: StepCommit,
 ) -> Result<(), StoreError> {
-    check_lease(conn, commit.task_id, commit.lease_token, None)?;
     let flow_id = &commit.flow_id;
-    let flow_type: String = cached_query_row(
+    // Fences, finds the flow type and removes the task in one statement.
+    let flow_type: Option<String> = cached_query_row(
         conn,
-        "SELECT flow_type FROM tasks WHERE task_id = ?1",
-        params![commit.task_id],
+        "DELETE FROM tasks WHERE task_id = ?1 AND lease_token = ?2 AND state = 'leased'
+         RETURNING flow_type",
+        params![commit.task_id, commit.lease_token],
         |row| row.get(0),
     )
+    .optional()
     .map_err(backend)?;
+    let Some(flow_type) = flow_type else {
+        return Err(StoreError::StaleLease {
+            task_id: commit.task_id,
+        });
+    };
     for message_id in &commit.consumed {
         let deleted = cached_execute(
             conn,
@@ -386,12 +401,6 @@ pub(super) fn commit_step(
         params![commit.task_id],
     )
     .map_err(backend)?;
-    cached_execute(
-        conn,
-        "DELETE FROM tasks WHERE task_id = ?1",
-        params![commit.task_id],
-    )
-    .map_err(backend)?;
     if commit.complete_flow {
         drop_tasks(conn, flow_id)?;
     } else {
@@ -399,17 +408,23 @@ pub(super) fn commit_step(
             insert_task(conn, flow_id, &flow_type, task)?;
         }
     }
-    let remaining = exists(
-        conn,
-        "SELECT 1 FROM tasks WHERE flow_id = ?1",
-        params![flow_id],
-    )?;
-    let status = if remaining { "running" } else { "completed" };
-    cached_execute(conn,
-        "UPDATE flows SET status = ?2, updated_at_ms = ?3 WHERE flow_id = ?1 AND status = 'running'",
-        params![flow_id, status, now],
-    )
-    .map_err(backend)?;
+    // A flow with a next Step is still running; only check when it may be done.
+    let done = commit.complete_flow
+        || (commit.next.is_empty()
+            && !exists(
+                conn,
+                "SELECT 1 FROM tasks WHERE flow_id = ?1",
+                params![flow_id],
+            )?);
+    if done {
+        cached_execute(
+            conn,
+            "UPDATE flows SET status = 'completed', updated_at_ms = ?2
+             WHERE flow_id = ?1 AND status = 'running'",
+            params![flow_id, now],
+        )
+        .map_err(backend)?;
+    }
     Ok(())
 }
 
