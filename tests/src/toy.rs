@@ -364,19 +364,11 @@ fn gated_flow(probe: Arc<Probe>) -> FlowType {
     FlowType::new("Gated", "Work").step(StepDef::new("Work", work).policy(quick(3)))
 }
 
-/// `Noop`: `Step` runs `steps` times in a row, doing nothing (benchmarks).
+/// `Noop`: one Step that does nothing.
 fn noop_flow() -> FlowType {
-    let step = |ctx: StepContext| async move {
-        let left = ctx.input()["left"].as_u64().unwrap_or(0);
-        if left == 0 {
-            return Ok(StepResult::end());
-        }
-        Ok(StepResult::go_to(StepCall::new(
-            "Step",
-            json!({ "left": left - 1 }),
-        )))
-    };
-    FlowType::new("Noop", "Step").step(StepDef::new("Step", step))
+    FlowType::new("Noop", "Step").step(StepDef::new("Step", |_ctx: StepContext| async move {
+        Ok(StepResult::end())
+    }))
 }
 
 /// Polls `probe` until it returns `Some`, failing after `deadline`.

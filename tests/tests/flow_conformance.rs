@@ -513,19 +513,12 @@ async fn a_stale_workers_commit_is_refused(factory: &dyn StoreFactory) {
     assert_eq!(expired.len(), 1);
     assert!(!expired[0].output_recorded);
     let now = stack.store.now().await.expect("now");
-    let (action, history) = dexa::flow::retry::redelivery(&expired[0].task, now);
-    stack
-        .store
-        .fail_attempt(AttemptFailure {
-            task_id: a.task_id,
-            lease_token: a.lease_token,
-            flow_id: "stale".into(),
-            action,
-            history,
-            require_expired: true,
-        })
-        .await
-        .expect("reap");
+    let reap = AttemptFailure::of(
+        &a,
+        dexa::flow::retry::redelivery(&expired[0].task, now),
+        true,
+    );
+    stack.store.fail_attempt(reap).await.expect("reap");
     let b = stack
         .store
         .claim("worker-b", &types, 1, 10_000)

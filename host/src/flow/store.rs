@@ -91,6 +91,24 @@ pub struct AttemptFailure {
     pub require_expired: bool,
 }
 
+impl AttemptFailure {
+    /// The failure of `task`'s current attempt, fenced by its lease token.
+    pub fn of(
+        task: &ClaimedTask,
+        (action, history): (FailureAction, StepHistoryEntry),
+        require_expired: bool,
+    ) -> Self {
+        Self {
+            task_id: task.task_id,
+            lease_token: task.lease_token,
+            flow_id: task.flow_id.clone(),
+            action,
+            history,
+            require_expired,
+        }
+    }
+}
+
 /// A task whose lease ran out.
 #[derive(Clone, Debug)]
 pub struct ExpiredLease {

@@ -190,19 +190,12 @@ impl Worker {
                 return;
             };
             let task = &lease.task;
-            let (action, history) = if lease.output_recorded {
+            let decision = if lease.output_recorded {
                 retry::after_failure(&self.registry, task, &AttemptError::WorkerLost, now)
             } else {
                 retry::redelivery(task, now)
             };
-            let failure = AttemptFailure {
-                task_id: task.task_id,
-                lease_token: task.lease_token,
-                flow_id: task.flow_id.clone(),
-                action,
-                history,
-                require_expired: true,
-            };
+            let failure = AttemptFailure::of(task, decision, true);
             match self.store.fail_attempt(failure).await {
                 Ok(()) | Err(StoreError::StaleLease { .. }) => {}
                 Err(err) => tracing::warn!(error = %err, task_id = task.task_id, "reaping failed"),
@@ -441,15 +434,7 @@ async fn fail(
         "step attempt failed"
     );
     let Ok(now) = store.now().await else { return };
-    let (action, history) = retry::after_failure(registry, task, &err, now);
-    let failure = AttemptFailure {
-        task_id: task.task_id,
-        lease_token: task.lease_token,
-        flow_id: task.flow_id.clone(),
-        action,
-        history,
-        require_expired: false,
-    };
+    let failure = AttemptFailure::of(task, retry::after_failure(registry, task, &err, now), false);
     match store.fail_attempt(failure).await {
         Ok(()) | Err(StoreError::StaleLease { .. }) => {}
         Err(err) => {
