@@ -65,6 +65,9 @@ impl Default for WorkerOptions {
     }
 }
 
+/// How soon a busy worker looks again for Steps that fell due.
+const BUSY_RECHECK: Duration = Duration::from_millis(25);
+
 struct Held {
     lease_token: i64,
     heartbeat: Heartbeat,
@@ -147,8 +150,13 @@ impl Worker {
             if claimed_all {
                 continue;
             }
-            // Busy: the next commit or finished Step wakes the loop anyway.
-            let sleep_for = self.idle_time(&flow_types, free > 0 && !claimed_any).await;
+            // Busy: commits and finished Steps wake the loop; a short recheck
+            // still catches a timer that falls due meanwhile.
+            let sleep_for = if free > 0 && claimed_any {
+                self.idle_cap().min(BUSY_RECHECK)
+            } else {
+                self.idle_time(&flow_types, free > 0).await
+            };
             tokio::select! {
                 _ = &mut shutdown => break,
                 _ = &mut notified => {}
@@ -160,9 +168,13 @@ impl Worker {
         running.abort_all();
     }
 
+    fn idle_cap(&self) -> Duration {
+        self.options.poll_interval.min(self.options.reap_interval)
+    }
+
     /// Until the next due task, at most the poll interval.
     async fn idle_time(&self, flow_types: &[String], can_claim: bool) -> Duration {
-        let cap = self.options.poll_interval.min(self.options.reap_interval);
+        let cap = self.idle_cap();
         if !can_claim {
             return cap;
         }
