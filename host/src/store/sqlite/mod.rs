@@ -1,12 +1,15 @@
 //! The embedded SQLite backend: one file, WAL, shared by any number of
 //! processes on one machine.
 //!
-//! - Writes go through one connection per process inside `BEGIN IMMEDIATE`
-//!   transactions; other processes wait on SQLite's lock (busy timeout 5 s).
+//! - Writes of a process go through one writer thread, which runs whatever is
+//!   queued in one `BEGIN IMMEDIATE` transaction with a savepoint per write
+//!   (group commit) and answers each write only after the commit. Other
+//!   processes wait on SQLite's lock (busy timeout 5 s).
 //! - Reads use their own connections, which WAL lets run beside writes.
-//! - A watcher polls `PRAGMA data_version` every 10 ms and wakes the workers
-//!   of this process when another process commits; commits of this process
-//!   wake them at once.
+//! - Between batches the writer polls `PRAGMA data_version` every 10 ms and
+//!   wakes this process's workers when another process has committed;
+//!   commits of this process wake them at once.
+//! - WAL checkpoints run on their own thread, off the commit path.
 //! - `synchronous=NORMAL` by default: in WAL mode a commit survives the death
 //!   of any process (the crash model of workers) without an fsync per commit;
 //!   an OS crash or power loss may lose the last commits but never corrupts
