@@ -5,9 +5,11 @@
 //! - [`flow`]: the generic durable Flow engine and its storage trait;
 //! - [`store`]: the storage backends (embedded SQLite);
 //! - [`plugin`]: the wasmtime layer (engine, cache, sandboxed calls, grants);
+//! - [`session`]: AgentSessionFlow, the durable agent session, and its client;
 //! - [`cli`]: the `dexa` command line.
 
 pub mod cli;
 pub mod flow;
 pub mod plugin;
+pub mod session;
 pub mod store;

@@ -1,0 +1,164 @@
+//! Live events of a running Step: guest events go to the session's Stream
+//! through a per-Step buffer, flushed by a background task and once more when
+//! the Step's call returns. Events a Step commits with its result (turn
+//! started, tool call finished, ...) are built with [`session_event`].
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde_json::json;
+use tokio::sync::Notify;
+use tokio::task::JoinHandle;
+
+use super::records::{event_type, AgentEvent, AGENT_EVENTS};
+use crate::flow::{Heartbeat, Json, StepContext};
+use crate::plugin::{EventSink, GuestEvent, HeartbeatSink, StepTag, TaggedEvent};
+
+/// How often the session heartbeats in the background while a Step runs.
+pub const BACKGROUND_HEARTBEAT: Duration = Duration::from_secs(20);
+
+/// The stream payload of an event of `tag`'s Step.
+pub fn session_event(tag: &StepTag, event_type: &str, data: Json) -> Json {
+    let event = AgentEvent {
+        event_type: event_type.to_string(),
+        turn_id: tag.turn_id.clone(),
+        step_execution_id: tag.step_execution_id.clone(),
+        attempt: tag.attempt,
+        data,
+    };
+    serde_json::to_value(event).unwrap_or(Json::Null)
+}
+
+/// The stream payload of a guest's event.
+fn guest_event(event: TaggedEvent) -> Json {
+    let (kind, data) = match event.event {
+        GuestEvent::TextDelta { text } => {
+            (event_type::TEXT_DELTA.to_string(), json!({"text": text}))
+        }
+        GuestEvent::ReasoningDelta { text } => (
+            event_type::REASONING_DELTA.to_string(),
+            json!({"text": text}),
+        ),
+        GuestEvent::ToolCallStarted {
+            tool_call_id,
+            tool_name,
+        } => (
+            event_type::TOOL_CALL_STARTED.to_string(),
+            json!({"tool_call_id": tool_call_id, "tool_name": tool_name}),
+        ),
+        GuestEvent::ToolCallFinished {
+            tool_call_id,
+            tool_name,
+            status,
+        } => (
+            event_type::TOOL_CALL_FINISHED.to_string(),
+            json!({"tool_call_id": tool_call_id, "tool_name": tool_name, "status": status}),
+        ),
+        GuestEvent::Custom {
+            event_type,
+            payload,
+        } => (event_type, payload),
+    };
+    session_event(&event.tag, &kind, data)
+}
+
+#[derive(Default)]
+struct Buffer {
+    pending: Mutex<Vec<Json>>,
+    wake: Notify,
+    closed: AtomicBool,
+}
+
+impl EventSink for Buffer {
+    fn write(&self, event: TaggedEvent) {
+        if let Ok(mut pending) = self.pending.lock() {
+            pending.push(guest_event(event));
+        }
+        self.wake.notify_one();
+    }
+}
+
+impl Buffer {
+    fn take(&self) -> Vec<Json> {
+        self.pending
+            .lock()
+            .map(|mut pending| std::mem::take(&mut *pending))
+            .unwrap_or_default()
+    }
+}
+
+/// The event stream of one Step execution attempt.
+pub(crate) struct StepEvents {
+    buffer: Arc<Buffer>,
+    drain: JoinHandle<()>,
+}
+
+impl StepEvents {
+    /// Starts the background flush into `ctx`'s session stream.
+    pub fn start(ctx: &StepContext) -> Self {
+        let buffer = Arc::new(Buffer::default());
+        let store = ctx.store().clone();
+        let flow_id = ctx.flow_id().to_string();
+        let drained = buffer.clone();
+        let drain = tokio::spawn(async move {
+            loop {
+                let closed = drained.closed.load(Ordering::Acquire);
+                let batch = drained.take();
+                if !batch.is_empty() {
+                    // Events are best effort; a reader rebuilds from the snapshot.
+                    if let Err(err) = store.append_stream(&flow_id, AGENT_EVENTS, batch).await {
+                        tracing::warn!(flow_id, error = %err, "dropping live events");
+                    }
+                }
+                if closed {
+                    break;
+                }
+                drained.wake.notified().await;
+            }
+        });
+        Self { buffer, drain }
+    }
+
+    pub fn sink(&self) -> Arc<dyn EventSink> {
+        self.buffer.clone()
+    }
+
+    /// Writes everything buffered so far and stops.
+    pub async fn finish(self) {
+        self.buffer.closed.store(true, Ordering::Release);
+        self.buffer.wake.notify_one();
+        if let Err(err) = self.drain.await {
+            tracing::warn!(error = %err, "the event flush task failed");
+        }
+    }
+}
+
+/// Guest heartbeats, recorded on the running Step.
+pub(crate) struct StepHeartbeats(pub Heartbeat);
+
+impl HeartbeatSink for StepHeartbeats {
+    fn heartbeat(&self, _tag: &StepTag) {
+        self.0.beat();
+    }
+}
+
+/// Beats every [`BACKGROUND_HEARTBEAT`] until dropped.
+pub(crate) struct BackgroundHeartbeat(JoinHandle<()>);
+
+impl BackgroundHeartbeat {
+    pub fn start(heartbeat: Heartbeat) -> Self {
+        Self(tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(BACKGROUND_HEARTBEAT).await;
+                heartbeat.beat();
+            }
+        }))
+    }
+}
+
+impl Drop for BackgroundHeartbeat {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}

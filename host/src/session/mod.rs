@@ -1,0 +1,25 @@
+//! AgentSessionFlow: the spec's durable agent session on the Flow engine, with
+//! a sandboxed runner component and tool components.
+//!
+//! - [`AgentSessionFlow`]: one flow type per agent; [`AgentSessionFlow::definition`]
+//!   is what a worker's registry runs.
+//! - [`AgentSessionClient`]: the RPCs (start, send, resolve, snapshot, list, stop).
+//! - [`records`]: the stored records and the wire values.
+//!
+//! Every Step commits its state, channel messages, events and next Steps in
+//! one transaction (the spec's SYNC durability; the engine has no other kind).
+
+mod client;
+mod events;
+mod flow;
+pub mod records;
+mod steps;
+
+pub use client::{AgentSessionClient, SessionError};
+pub use events::BACKGROUND_HEARTBEAT;
+pub use flow::{
+    AgentComponents, AgentConfigError, AgentSessionFlow, AgentSessionOptions,
+    RUN_MODEL_HEARTBEAT_TIMEOUT, RUN_MODEL_TIMEOUT, RUN_MODEL_WINDOW,
+};
+pub use records::*;
+pub use steps::{check_tool_calls_requested, step, turn_failure_note};

@@ -1,0 +1,453 @@
+//! The session's durable records and the values its RPCs and events carry.
+//! The wire carries plain snake_case strings for every enum.
+
+use serde::{Deserialize, Serialize};
+
+use crate::flow::{FlowStatus, Json, StoreMillis};
+use crate::plugin::wit;
+
+/// Attribute: the session's [`AgentState`].
+pub const AGENT_STATE: &str = "AGENT_STATE";
+/// AttributeMap: [`AgentMessage`] by [`message_sequence_key`].
+pub const AGENT_MESSAGES: &str = "AGENT_MESSAGES";
+/// Attribute: the runner's run state, set only while a turn waits for tools.
+pub const FRAMEWORK_RUN_STATE: &str = "FRAMEWORK_RUN_STATE";
+/// AttributeMap: [`AgentToolCall`] by tool call id, cleared when the turn ends.
+pub const AGENT_TOOL_CALLS: &str = "AGENT_TOOL_CALLS";
+/// AttributeMap: [`AgentInterrupt`] by interrupt id. The spec keeps a list in
+/// one Attribute; one key per interrupt lets parallel approval Steps each
+/// remove their own without overwriting the others.
+pub const PENDING_INTERRUPTS: &str = "PENDING_INTERRUPTS";
+/// Attribute: the session's [`AgentUsage`].
+pub const AGENT_USAGE: &str = "AGENT_USAGE";
+/// Channel of [`AgentUserMessage`].
+pub const QUEUED_USER_MESSAGES: &str = "QUEUED_USER_MESSAGES";
+/// ChannelMap of [`AgentInterruptResolution`] by interrupt id.
+pub const INTERRUPT_RESOLUTIONS: &str = "INTERRUPT_RESOLUTIONS";
+/// Internal Channel of [`ToolCallCompleted`].
+pub const TOOL_CALL_RESULTS: &str = "TOOL_CALL_RESULTS";
+/// Stream of [`AgentEvent`].
+pub const AGENT_EVENTS: &str = "agent_events";
+
+/// The AttributeMap key of message `sequence`: 12 digits, zero-padded, so that
+/// key order is sequence order.
+pub fn message_sequence_key(sequence: u64) -> String {
+    format!("{sequence:012}")
+}
+
+/// The turn id of turn `n` (one-based).
+pub fn turn_id(n: u64) -> String {
+    format!("turn-{n}")
+}
+
+/// `<flow_id>/<turn_id>/<tool_call_id>`: the same on every attempt.
+pub fn idempotency_key(flow_id: &str, turn_id: &str, tool_call_id: &str) -> String {
+    format!("{flow_id}/{turn_id}/{tool_call_id}")
+}
+
+/// The interrupt that asks for approval of one tool call.
+pub fn interrupt_id(turn_id: &str, tool_call_id: &str) -> String {
+    format!("{turn_id}/{tool_call_id}")
+}
+
+/// What the session is doing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SessionStatus {
+    WaitingForUserMessage,
+    RunningModel,
+    RunningTools,
+}
+
+/// The session's state Attribute.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentState {
+    pub status: SessionStatus,
+    /// Turns started so far; the active turn is `turn-<turn_count>`.
+    pub turn_count: u64,
+    /// The turn that is running, if any.
+    pub active_turn_id: Option<String>,
+    /// Messages stored so far; the next one gets `message_count + 1`.
+    pub message_count: u64,
+    /// Why the last failed turn failed; cleared when a later turn completes.
+    pub last_turn_error: Option<String>,
+}
+
+impl AgentState {
+    pub(crate) fn new() -> Self {
+        Self {
+            status: SessionStatus::WaitingForUserMessage,
+            turn_count: 0,
+            active_turn_id: None,
+            message_count: 0,
+            last_turn_error: None,
+        }
+    }
+}
+
+/// Who a message is from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MessageRole {
+    User,
+    Assistant,
+    Tool,
+    System,
+}
+
+impl From<wit::MessageRole> for MessageRole {
+    fn from(role: wit::MessageRole) -> Self {
+        match role {
+            wit::MessageRole::User => MessageRole::User,
+            wit::MessageRole::Assistant => MessageRole::Assistant,
+            wit::MessageRole::Tool => MessageRole::Tool,
+            wit::MessageRole::System => MessageRole::System,
+        }
+    }
+}
+
+impl From<MessageRole> for wit::MessageRole {
+    fn from(role: MessageRole) -> Self {
+        match role {
+            MessageRole::User => wit::MessageRole::User,
+            MessageRole::Assistant => wit::MessageRole::Assistant,
+            MessageRole::Tool => wit::MessageRole::Tool,
+            MessageRole::System => wit::MessageRole::System,
+        }
+    }
+}
+
+/// A stored message.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentMessage {
+    /// Position in the session, from 1.
+    pub sequence: u64,
+    pub turn_id: String,
+    pub role: MessageRole,
+    /// The runner's own item, opaque to the host.
+    pub framework_item: String,
+    pub text: Option<String>,
+}
+
+impl AgentMessage {
+    pub(crate) fn from_framework(
+        sequence: u64,
+        turn_id: &str,
+        message: &wit::FrameworkMessage,
+    ) -> Self {
+        Self {
+            sequence,
+            turn_id: turn_id.to_string(),
+            role: message.role.into(),
+            framework_item: message.framework_item.clone(),
+            text: message.text.clone(),
+        }
+    }
+
+    pub(crate) fn to_wit(&self) -> wit::AgentMessage {
+        wit::AgentMessage {
+            sequence: self.sequence,
+            turn_id: self.turn_id.clone(),
+            role: self.role.into(),
+            framework_item: self.framework_item.clone(),
+            text: self.text.clone(),
+        }
+    }
+}
+
+/// What running a tool does to the world.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolEffect {
+    Read,
+    IdempotentWrite,
+    NonIdempotentWrite,
+    Unclassified,
+}
+
+impl ToolEffect {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ToolEffect::Read => "read",
+            ToolEffect::IdempotentWrite => "idempotent_write",
+            ToolEffect::NonIdempotentWrite => "non_idempotent_write",
+            ToolEffect::Unclassified => "unclassified",
+        }
+    }
+
+    /// Read and idempotent-write calls may run again; the others run once.
+    pub fn may_repeat(self) -> bool {
+        matches!(self, ToolEffect::Read | ToolEffect::IdempotentWrite)
+    }
+}
+
+impl From<wit::ToolEffect> for ToolEffect {
+    fn from(effect: wit::ToolEffect) -> Self {
+        match effect {
+            wit::ToolEffect::Read => ToolEffect::Read,
+            wit::ToolEffect::IdempotentWrite => ToolEffect::IdempotentWrite,
+            wit::ToolEffect::NonIdempotentWrite => ToolEffect::NonIdempotentWrite,
+            wit::ToolEffect::Unclassified => ToolEffect::Unclassified,
+        }
+    }
+}
+
+impl From<ToolEffect> for wit::ToolEffect {
+    fn from(effect: ToolEffect) -> Self {
+        match effect {
+            ToolEffect::Read => wit::ToolEffect::Read,
+            ToolEffect::IdempotentWrite => wit::ToolEffect::IdempotentWrite,
+            ToolEffect::NonIdempotentWrite => wit::ToolEffect::NonIdempotentWrite,
+            ToolEffect::Unclassified => wit::ToolEffect::Unclassified,
+        }
+    }
+}
+
+/// An operator's policy for one tool: its effect, and whether it needs
+/// approval (`None`: the effect's default).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ToolPolicy {
+    pub effect: ToolEffect,
+    #[serde(default)]
+    pub requires_approval: Option<bool>,
+}
+
+impl ToolPolicy {
+    pub fn new(effect: ToolEffect) -> Self {
+        Self {
+            effect,
+            requires_approval: None,
+        }
+    }
+
+    pub fn requires_approval(mut self, required: bool) -> Self {
+        self.requires_approval = Some(required);
+        self
+    }
+}
+
+/// Where a tool call stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolCallStatus {
+    Pending,
+    Approved,
+    Succeeded,
+    Failed,
+    Rejected,
+    OutcomeUnknown,
+}
+
+impl ToolCallStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ToolCallStatus::Pending => "pending",
+            ToolCallStatus::Approved => "approved",
+            ToolCallStatus::Succeeded => "succeeded",
+            ToolCallStatus::Failed => "failed",
+            ToolCallStatus::Rejected => "rejected",
+            ToolCallStatus::OutcomeUnknown => "outcome_unknown",
+        }
+    }
+
+    pub fn is_final(self) -> bool {
+        !matches!(self, ToolCallStatus::Pending | ToolCallStatus::Approved)
+    }
+}
+
+impl From<ToolCallStatus> for wit::ToolCallStatus {
+    fn from(status: ToolCallStatus) -> Self {
+        match status {
+            ToolCallStatus::Pending => wit::ToolCallStatus::Pending,
+            ToolCallStatus::Approved => wit::ToolCallStatus::Approved,
+            ToolCallStatus::Succeeded => wit::ToolCallStatus::Succeeded,
+            ToolCallStatus::Failed => wit::ToolCallStatus::Failed,
+            ToolCallStatus::Rejected => wit::ToolCallStatus::Rejected,
+            ToolCallStatus::OutcomeUnknown => wit::ToolCallStatus::OutcomeUnknown,
+        }
+    }
+}
+
+/// The durable record of one tool call of the active turn.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentToolCall {
+    pub tool_call_id: String,
+    pub turn_id: String,
+    pub tool_name: String,
+    pub arguments: String,
+    pub effect: ToolEffect,
+    pub requires_approval: bool,
+    pub status: ToolCallStatus,
+    pub output: Option<String>,
+    pub error: Option<String>,
+    pub rejection_message: Option<String>,
+    /// Position in the model's response; AttributeMap keys do not keep order.
+    pub deferral_order: u32,
+}
+
+impl AgentToolCall {
+    pub fn to_wit(&self) -> wit::ToolCallRecord {
+        wit::ToolCallRecord {
+            tool_call_id: self.tool_call_id.clone(),
+            tool_name: self.tool_name.clone(),
+            arguments: self.arguments.clone(),
+            policy: wit::ToolPolicy {
+                effect: self.effect.into(),
+                requires_approval: self.requires_approval,
+            },
+            status: self.status.into(),
+            output: self.output.clone(),
+            error: self.error.clone(),
+            rejection_message: self.rejection_message.clone(),
+            deferral_order: self.deferral_order,
+        }
+    }
+
+    /// The model-visible text of this record's outcome.
+    pub fn describe_outcome(&self) -> String {
+        crate::plugin::describe_tool_call_outcome(&self.to_wit())
+    }
+}
+
+/// A tool call waiting for a person's approval.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentInterrupt {
+    pub interrupt_id: String,
+    pub turn_id: String,
+    pub tool_call_id: String,
+    pub tool_name: String,
+    pub arguments: String,
+    /// On the store's clock, whole seconds; none waits forever.
+    pub deadline: Option<StoreMillis>,
+}
+
+/// A person's answer to an interrupt.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentInterruptResolution {
+    pub approved: bool,
+    pub rejection_message: Option<String>,
+}
+
+/// Token usage.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentUsage {
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+    pub total_tokens: u64,
+    /// Model calls whose usage was recorded.
+    pub model_calls: u64,
+}
+
+impl AgentUsage {
+    pub(crate) fn of(usage: &wit::Usage) -> Self {
+        Self {
+            input_tokens: usage.input_tokens,
+            output_tokens: usage.output_tokens,
+            total_tokens: usage.total_tokens,
+            model_calls: 1,
+        }
+    }
+
+    pub(crate) fn add(&mut self, other: &AgentUsage) {
+        self.input_tokens = self.input_tokens.saturating_add(other.input_tokens);
+        self.output_tokens = self.output_tokens.saturating_add(other.output_tokens);
+        self.total_tokens = self.total_tokens.saturating_add(other.total_tokens);
+        self.model_calls = self.model_calls.saturating_add(other.model_calls);
+    }
+}
+
+/// A user message, as `send_user_message` queues it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentUserMessage {
+    pub text: String,
+}
+
+/// Published once per tool call when its record becomes final.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ToolCallCompleted {
+    pub tool_call_id: String,
+    pub status: ToolCallStatus,
+}
+
+/// The input of StartAgentSession.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentSessionStartInput {
+    #[serde(default)]
+    pub initial_message: Option<String>,
+}
+
+/// `resolve_interrupt`'s request.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResolveInterruptRequest {
+    pub interrupt_id: String,
+    pub approved: bool,
+    /// Kept only for a rejection.
+    #[serde(default)]
+    pub rejection_message: Option<String>,
+}
+
+/// Everything a UI needs to draw a session.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentSnapshot {
+    pub session_id: String,
+    pub flow_status: FlowStatus,
+    /// None until StartAgentSession commits.
+    pub state: Option<AgentState>,
+    /// The last [`SNAPSHOT_MESSAGES`] messages, oldest first.
+    pub messages: Vec<AgentMessage>,
+    pub pending_interrupts: Vec<AgentInterrupt>,
+    /// The active turn's tool calls, in deferral order.
+    pub tool_calls: Vec<AgentToolCall>,
+    pub usage: AgentUsage,
+    pub queued_message_count: u64,
+}
+
+/// Messages a snapshot carries.
+pub const SNAPSHOT_MESSAGES: usize = 200;
+/// The largest page `list_agent_messages` returns.
+pub const MAX_MESSAGE_PAGE: u32 = 200;
+
+/// `list_agent_messages`'s request: messages after `after_sequence`, oldest
+/// first; `limit` is clamped to 1..=200.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ListAgentMessagesRequest {
+    #[serde(default)]
+    pub after_sequence: Option<u64>,
+    pub limit: u32,
+}
+
+/// A page of messages.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentMessagesPage {
+    pub messages: Vec<AgentMessage>,
+    /// Pass it as `after_sequence` for the next page; none when this page is
+    /// the last.
+    pub next_after_sequence: Option<u64>,
+}
+
+/// The event types of the session's stream.
+pub mod event_type {
+    pub const TURN_STARTED: &str = "turn_started";
+    pub const TURN_COMPLETED: &str = "turn_completed";
+    pub const TURN_FAILED: &str = "turn_failed";
+    pub const TEXT_DELTA: &str = "text_delta";
+    pub const REASONING_DELTA: &str = "reasoning_delta";
+    pub const TOOL_CALL_STARTED: &str = "tool_call_started";
+    pub const TOOL_CALL_FINISHED: &str = "tool_call_finished";
+    pub const TOOL_CALL_DEFERRED: &str = "tool_call_deferred";
+    pub const INTERRUPT_RAISED: &str = "interrupt_raised";
+    pub const INTERRUPT_RESOLVED: &str = "interrupt_resolved";
+    pub const USAGE_RECORDED: &str = "usage_recorded";
+}
+
+/// One event of the session's stream. Every event carries the turn, the Step
+/// execution (shared by its attempts) and the attempt.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AgentEvent {
+    #[serde(rename = "type")]
+    pub event_type: String,
+    pub turn_id: String,
+    pub step_execution_id: String,
+    pub attempt: u32,
+    pub data: Json,
+}
