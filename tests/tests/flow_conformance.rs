@@ -545,6 +545,7 @@ async fn a_stale_workers_commit_is_refused(factory: &dyn StoreFactory) {
         }],
         next: vec![],
         complete_flow: false,
+        claim_next: None,
         history: StepHistoryEntry {
             event_type: EXECUTE_COMPLETED.into(),
             step_type: task.step_type.clone(),

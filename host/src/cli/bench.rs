@@ -42,7 +42,7 @@ pub struct EngineBenchArgs {
     pub dir: Option<PathBuf>,
 }
 
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
+pub(crate) fn percentile(sorted: &[Duration], p: f64) -> Duration {
     if sorted.is_empty() {
         return Duration::ZERO;
     }
@@ -50,7 +50,7 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[index.min(sorted.len() - 1)]
 }
 
-fn micros(d: Duration) -> String {
+pub(crate) fn micros(d: Duration) -> String {
     format!("{:.0} µs", d.as_secs_f64() * 1e6)
 }
 
@@ -125,7 +125,7 @@ pub async fn run(args: EngineBenchArgs) -> anyhow::Result<()> {
     let sink = latencies.clone();
     let options = WorkerOptions {
         max_concurrent_tasks: args.concurrency,
-        on_step_committed: Some(Arc::new(move |d| {
+        on_step_committed: Some(Arc::new(move |_task, d| {
             if let Ok(mut all) = sink.lock() {
                 all.push(d);
             }

@@ -1,6 +1,7 @@
 //! The `dexa` command line.
 
 pub mod bench;
+pub mod bench_turn;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -41,6 +42,9 @@ pub enum BenchCommand {
     /// Durable no-op Steps on the embedded SQLite store: throughput,
     /// claim-to-commit latency, wake latency.
     Engine(bench::EngineBenchArgs),
+    /// One agent turn through AgentSessionFlow with sandboxed guests:
+    /// sequential latency, throughput with concurrent clients, peak RSS.
+    Turn(bench_turn::TurnBenchArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -125,6 +129,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Component(ComponentCommand::Inspect(args)) => inspect(args).await,
         Command::Component(ComponentCommand::Call(args)) => call(args).await,
         Command::Bench(BenchCommand::Engine(args)) => bench::run(args).await,
+        Command::Bench(BenchCommand::Turn(args)) => bench_turn::run(args).await,
     }
 }
 

@@ -7,7 +7,7 @@ use std::time::Instant;
 use serde::de::DeserializeOwned;
 
 use super::registry::StepError;
-use super::store::FlowStore;
+use super::store::{FlowStore, StateAnswer, StateQuery};
 use super::types::{ChannelMessage, ClaimedTask, Json, MapQuery, StoreMillis, Versioned};
 
 /// Liveness of one running Step. Cheap to clone; `beat` is synchronous so that
@@ -134,6 +134,35 @@ impl StepContext {
             .record_output(self.task.task_id, self.task.lease_token)
             .await?;
         Ok(())
+    }
+
+    /// Records output (as [`StepContext::heartbeat`]) and appends live events,
+    /// in one write.
+    pub async fn heartbeat_with_events(
+        &self,
+        stream: &str,
+        payloads: Vec<Json>,
+    ) -> Result<(), StepError> {
+        self.heartbeat.beat();
+        self.heartbeat.take_unrecorded();
+        self.store
+            .record_output_and_append(
+                self.task.task_id,
+                self.task.lease_token,
+                &self.task.flow_id,
+                stream,
+                payloads,
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// Several reads from one consistent snapshot, in one round trip.
+    pub async fn read_state(
+        &self,
+        queries: Vec<StateQuery>,
+    ) -> Result<Vec<StateAnswer>, StepError> {
+        Ok(self.store.read_state(&self.task.flow_id, queries).await?)
     }
 
     pub async fn get(&self, name: &str, key: &str) -> Result<Option<Versioned>, StepError> {

@@ -16,6 +16,6 @@ pub mod worker;
 pub use client::{FlowClient, FlowError, RPC_LOCK_RETRY};
 pub use context::{Heartbeat, StepContext};
 pub use registry::{FlowType, Registry, RegistryError, StepDef, StepError, StepHandler};
-pub use store::{FlowStore, RpcError, StateTx, StoreError};
+pub use store::{ClaimNext, FlowStore, RpcError, StateAnswer, StateQuery, StateTx, StoreError};
 pub use types::*;
 pub use worker::{Worker, WorkerOptions};

@@ -11,12 +11,12 @@ use tokio::task::{AbortHandle, JoinSet};
 use super::context::{Heartbeat, StepContext};
 use super::registry::{Registry, StepError};
 use super::retry::{self, AttemptError};
-use super::store::{AttemptFailure, FlowStore, StepCommit, StoreError};
+use super::store::{AttemptFailure, ClaimNext, FlowStore, StepCommit, StoreError};
 use super::types::{history, ClaimedTask, RetryPolicy, StepOutcome, StepResult};
 
-/// Called with the time from a Step's claim to its commit (for metrics and
-/// benchmarks).
-pub type StepObserver = Arc<dyn Fn(Duration) + Send + Sync>;
+/// Called after a Step's commit with its task and the time from its claim to
+/// its commit (for metrics and benchmarks).
+pub type StepObserver = Arc<dyn Fn(&ClaimedTask, Duration) + Send + Sync>;
 
 /// How a worker runs.
 #[derive(Clone)]
@@ -141,6 +141,11 @@ impl Worker {
                                 held.clone(),
                                 task,
                                 self.options.on_step_committed.clone(),
+                                ClaimNext {
+                                    worker_id: self.options.worker_id.clone(),
+                                    max: 1,
+                                    lease_ms,
+                                },
                             ));
                         }
                     }
@@ -262,13 +267,38 @@ async fn renew_leases(store: Arc<dyn FlowStore>, options: WorkerOptions, held: H
     }
 }
 
+/// Runs `task`, then, in the same slot, the flow's next task when its commit
+/// leased one to this worker.
 async fn run_task(
     store: Arc<dyn FlowStore>,
     registry: Arc<Registry>,
     held: HeldTasks,
     task: ClaimedTask,
     observer: Option<StepObserver>,
+    claim_next: ClaimNext,
 ) {
+    let mut next = Some(task);
+    while let Some(task) = next.take() {
+        next = run_one(
+            &store,
+            &registry,
+            &held,
+            task,
+            observer.as_ref(),
+            &claim_next,
+        )
+        .await;
+    }
+}
+
+async fn run_one(
+    store: &Arc<dyn FlowStore>,
+    registry: &Arc<Registry>,
+    held: &HeldTasks,
+    task: ClaimedTask,
+    observer: Option<&StepObserver>,
+    claim_next: &ClaimNext,
+) -> Option<ClaimedTask> {
     let claimed_at = Instant::now();
     let task = Arc::new(task);
     let heartbeat = Heartbeat::new();
@@ -308,13 +338,16 @@ async fn run_task(
     }
     match result {
         Ok(step_result) => {
-            if commit(&store, &registry, &task, step_result).await {
-                if let Some(observer) = observer {
-                    observer(claimed_at.elapsed());
-                }
+            let claimed = commit(store, registry, &task, step_result, claim_next).await?;
+            if let Some(observer) = observer {
+                observer(&task, claimed_at.elapsed());
             }
+            claimed.into_iter().next()
         }
-        Err(err) => fail(&store, &registry, &task, err).await,
+        Err(err) => {
+            fail(store, registry, &task, err).await;
+            None
+        }
     }
 }
 
@@ -373,18 +406,20 @@ fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
     }
 }
 
-/// Commits the Step's result; true when it was committed.
+/// Commits the Step's result; `Some` (with the tasks claimed with it) when it
+/// was committed.
 async fn commit(
     store: &Arc<dyn FlowStore>,
     registry: &Registry,
     task: &ClaimedTask,
     result: StepResult,
-) -> bool {
+    claim_next: &ClaimNext,
+) -> Option<Vec<ClaimedTask>> {
     let now = match store.now().await {
         Ok(now) => now,
         Err(err) => {
             tracing::warn!(error = %err, "store clock unavailable; the lease will expire");
-            return false;
+            return None;
         }
     };
     let mut next = Vec::new();
@@ -397,7 +432,7 @@ async fn commit(
                     Err(err) => {
                         let err = AttemptError::Step(StepError::fatal(err.to_string()));
                         fail(store, registry, task, err).await;
-                        return false;
+                        return None;
                     }
                 }
             }
@@ -414,20 +449,21 @@ async fn commit(
         next,
         complete_flow,
         history: retry::entry(task, history::EXECUTE_COMPLETED, now, String::new()),
+        claim_next: Some(claim_next.clone()),
     };
     match store.commit_step(commit).await {
-        Ok(()) => true,
+        Ok(claimed) => Some(claimed),
         Err(StoreError::StaleLease { .. }) => {
             tracing::info!(
                 task_id = task.task_id,
                 "the lease was lost; the Step's result is dropped"
             );
-            false
+            None
         }
         Err(err) => {
             let err = AttemptError::Step(StepError::retryable(format!("commit failed: {err}")));
             fail(store, registry, task, err).await;
-            false
+            None
         }
     }
 }

@@ -1,6 +1,6 @@
 //! Live events of a running Step: guest events go to the session's Stream
-//! through a per-Step buffer, flushed by a background task and once more when
-//! the Step's call returns. Events a Step commits with its result (turn
+//! through a per-Step buffer, flushed by a background task while the call
+//! runs; what is left when it returns is committed with the Step's result. Events a Step commits with its result (turn
 //! started, tool call finished, ...) are built with [`session_event`].
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -67,8 +67,13 @@ fn guest_event(event: TaggedEvent) -> Json {
 struct Buffer {
     pending: Mutex<Vec<Json>>,
     wake: Notify,
+    closing: Notify,
     closed: AtomicBool,
 }
+
+/// Live events are written at most this often, so that a burst of small
+/// deltas becomes one write, and an instant call's events ride in its commit.
+pub const LIVE_FLUSH_INTERVAL: Duration = Duration::from_millis(10);
 
 impl EventSink for Buffer {
     fn write(&self, event: TaggedEvent) {
@@ -103,7 +108,10 @@ impl StepEvents {
         let drained = buffer.clone();
         let drain = tokio::spawn(async move {
             loop {
-                let closed = drained.closed.load(Ordering::Acquire);
+                // Once closed, what is left goes into the Step's commit.
+                if drained.closed.load(Ordering::Acquire) {
+                    break;
+                }
                 let batch = drained.take();
                 if !batch.is_empty() {
                     // Events are best effort; a reader rebuilds from the snapshot.
@@ -111,10 +119,11 @@ impl StepEvents {
                         tracing::warn!(flow_id, error = %err, "dropping live events");
                     }
                 }
-                if closed {
-                    break;
-                }
                 drained.wake.notified().await;
+                tokio::select! {
+                    _ = tokio::time::sleep(LIVE_FLUSH_INTERVAL) => {}
+                    _ = drained.closing.notified() => {}
+                }
             }
         });
         Self { buffer, drain }
@@ -124,13 +133,16 @@ impl StepEvents {
         self.buffer.clone()
     }
 
-    /// Writes everything buffered so far and stops.
-    pub async fn finish(self) {
+    /// Stops the background flush and returns the events it had not written
+    /// yet, in order, for the Step to commit with its result.
+    pub async fn finish(self) -> Vec<Json> {
         self.buffer.closed.store(true, Ordering::Release);
         self.buffer.wake.notify_one();
+        self.buffer.closing.notify_one();
         if let Err(err) = self.drain.await {
             tracing::warn!(error = %err, "the event flush task failed");
         }
+        self.buffer.take()
     }
 }
 

@@ -15,7 +15,8 @@ use super::events::{session_event, BackgroundHeartbeat, StepEvents, StepHeartbea
 use super::flow::{AgentComponents, AgentSessionOptions, RUN_MODEL_TIMEOUT};
 use super::records::*;
 use crate::flow::{
-    ChannelWait, Json, MapQuery, StepCall, StepContext, StepError, StepResult, StoreMillis,
+    ChannelWait, Json, MapQuery, StateAnswer, StateQuery, StateWrite, StepCall, StepContext,
+    StepError, StepResult, StoreMillis,
 };
 use crate::plugin::wit::{self, DeferredToolExecution, ToolError, TurnContext, TurnOutcome};
 use crate::plugin::{CallEnv, StepTag, ToolPolicies};
@@ -105,6 +106,32 @@ fn decode<T: DeserializeOwned>(what: &str, value: Json) -> Result<T, StepError> 
     serde_json::from_value(value).map_err(|err| fatal(format!("{what} is unreadable: {err}")))
 }
 
+/// Decodes the answer to a [`StateQuery::Get`].
+fn value_of<T: DeserializeOwned>(
+    answer: Option<StateAnswer>,
+    what: &str,
+) -> Result<Option<T>, StepError> {
+    match answer {
+        Some(StateAnswer::Value(None)) => Ok(None),
+        Some(StateAnswer::Value(Some(versioned))) => decode(what, versioned.value).map(Some),
+        _ => Err(fatal(format!("the store answered no value for {what}"))),
+    }
+}
+
+/// Decodes the answer to a [`StateQuery::Map`].
+fn entries_of<T: DeserializeOwned>(
+    answer: Option<StateAnswer>,
+    what: &str,
+) -> Result<Vec<T>, StepError> {
+    match answer {
+        Some(StateAnswer::Entries(entries)) => entries
+            .into_iter()
+            .map(|(key, versioned)| decode(&format!("{what} {key}"), versioned.value))
+            .collect(),
+        _ => Err(fatal(format!("the store answered no entries for {what}"))),
+    }
+}
+
 fn await_user_message_call() -> StepCall {
     StepCall::new(step::AWAIT_USER_MESSAGE, Json::Null)
         .wait_for(ChannelWait::for_one(QUEUED_USER_MESSAGES))
@@ -166,6 +193,38 @@ fn finalize(tag: &StepTag, record: &AgentToolCall, result: StepResult) -> StepRe
                 }),
             ),
         )
+}
+
+/// Puts the call's last live events into the Step's commit, ahead of the
+/// Step's own events; a failed attempt still writes them (best effort).
+async fn settle(
+    ctx: &StepContext,
+    leftovers: Vec<Json>,
+    result: Result<StepResult, StepError>,
+) -> Result<StepResult, StepError> {
+    if leftovers.is_empty() {
+        return result;
+    }
+    match result {
+        Ok(mut done) => {
+            let mut writes: Vec<StateWrite> = leftovers
+                .into_iter()
+                .map(|payload| StateWrite::Append {
+                    stream: AGENT_EVENTS.to_string(),
+                    payload,
+                })
+                .collect();
+            writes.append(&mut done.writes);
+            done.writes = writes;
+            Ok(done)
+        }
+        Err(err) => {
+            if let Err(append) = ctx.append_stream(AGENT_EVENTS, leftovers).await {
+                tracing::warn!(error = %append, "dropping the live events of a failed attempt");
+            }
+            Err(err)
+        }
+    }
 }
 
 /// The Steps of one agent.
@@ -255,7 +314,10 @@ impl SessionSteps {
         let events = StepEvents::start(ctx);
         let env = self.env(ctx, tag.clone(), &events, BUILD_USER_MESSAGE_TIMEOUT);
         let message = components.runner.build_user_message(env, text).await;
-        events.finish().await;
+        let leftovers = events.finish().await;
+        if !leftovers.is_empty() {
+            ctx.append_stream(AGENT_EVENTS, leftovers).await?;
+        }
         let message = message.map_err(|err| retryable(err.to_string()))?;
         if message.role != wit::MessageRole::User {
             return Err(retryable(format!(
@@ -342,18 +404,30 @@ impl SessionSteps {
 
     pub async fn run_model(self: Arc<Self>, ctx: StepContext) -> Result<StepResult, StepError> {
         let components = self.components()?.clone();
-        let mut state = Self::state(&ctx).await?;
+        // Everything RunModel reads, in one round trip from one snapshot.
+        let mut answers = ctx
+            .read_state(vec![
+                StateQuery::get(AGENT_STATE, ""),
+                StateQuery::map(AGENT_MESSAGES, MapQuery::default()),
+                StateQuery::get(FRAMEWORK_RUN_STATE, ""),
+                StateQuery::map(AGENT_TOOL_CALLS, MapQuery::default()),
+                StateQuery::get(AGENT_USAGE, ""),
+            ])
+            .await?
+            .into_iter();
+        let mut state: AgentState = value_of(answers.next(), "the session state")?
+            .ok_or_else(|| fatal("the session has no state"))?;
         let turn = state
             .active_turn_id
             .clone()
             .ok_or_else(|| fatal("RunModel ran with no active turn"))?;
-        let mut messages = Vec::new();
-        for (key, value) in ctx.read_map(AGENT_MESSAGES, MapQuery::default()).await? {
-            let message: AgentMessage = decode(&format!("message {key}"), value.value)?;
-            messages.push(message.to_wit());
-        }
-        let run_state: Option<String> = ctx.get_value(FRAMEWORK_RUN_STATE, "").await?;
-        let records = Self::records(&ctx).await?;
+        let messages: Vec<AgentMessage> = entries_of(answers.next(), "message")?;
+        let messages = messages.iter().map(AgentMessage::to_wit).collect();
+        let run_state: Option<String> = value_of(answers.next(), "the run state")?;
+        let mut records: Vec<AgentToolCall> = entries_of(answers.next(), "tool call record")?;
+        records.sort_by_key(|r| r.deferral_order);
+        let mut usage: AgentUsage =
+            value_of(answers.next(), "the session usage")?.unwrap_or_default();
         let turn_context = TurnContext {
             flow_id: ctx.flow_id().to_string(),
             turn_id: turn.clone(),
@@ -373,162 +447,167 @@ impl SessionSteps {
             }
             components.runner.run_model_step(env, &turn_context).await
         };
-        events.finish().await;
-        let outcome = match outcome {
-            Err(err) => return Err(retryable(err.to_string())),
-            Ok(Err(message)) => return Err(retryable(format!("run-model-step failed: {message}"))),
-            Ok(Ok(outcome)) => outcome,
-        };
-        let recorded = AgentUsage::of(match &outcome {
-            TurnOutcome::Completed(done) => &done.usage,
-            TurnOutcome::ToolCallsRequested(request) => &request.usage,
-        });
-        let mut usage: AgentUsage = ctx.get_value(AGENT_USAGE, "").await?.unwrap_or_default();
-        usage.add(&recorded);
-        let usage_event = session_event(
-            &tag,
-            event_type::USAGE_RECORDED,
-            json!({"recorded": recorded, "session": usage}),
-        );
-        match outcome {
-            TurnOutcome::Completed(done) => {
-                let mut result = StepResult::go_to(await_user_message_call());
-                let count = done.new_messages.len() as u64;
-                for (offset, message) in done.new_messages.iter().enumerate() {
-                    let sequence = state.message_count + 1 + offset as u64;
-                    let stored = AgentMessage::from_framework(sequence, &turn, message);
-                    result = result.set_entry(
-                        AGENT_MESSAGES,
-                        &message_sequence_key(sequence),
-                        to_json(&stored),
-                    );
+        let leftovers = events.finish().await;
+        let result: Result<StepResult, StepError> = async {
+            let outcome = match outcome {
+                Err(err) => return Err(retryable(err.to_string())),
+                Ok(Err(message)) => {
+                    return Err(retryable(format!("run-model-step failed: {message}")))
                 }
-                state.message_count += count;
-                state.status = SessionStatus::WaitingForUserMessage;
-                state.active_turn_id = None;
-                state.last_turn_error = None;
-                Ok(result
-                    .clear(AGENT_TOOL_CALLS)
-                    .delete(FRAMEWORK_RUN_STATE, "")
-                    .clear(PENDING_INTERRUPTS)
-                    .set(AGENT_USAGE, to_json(&usage))
-                    .set(AGENT_STATE, to_json(&state))
-                    .append(AGENT_EVENTS, usage_event)
-                    .append(
-                        AGENT_EVENTS,
-                        session_event(
-                            &tag,
-                            event_type::TURN_COMPLETED,
-                            json!({"message_count": count}),
-                        ),
-                    ))
-            }
-            TurnOutcome::ToolCallsRequested(request) => {
-                check_tool_calls_requested(&request, &records).map_err(|reason| {
-                    fatal(format!(
-                        "the runner's tool-calls-requested is invalid: {reason}"
-                    ))
-                })?;
-                let now = ctx.now().await?;
-                let deadline = self
-                    .options
-                    .interrupt_deadline
-                    .map(|after| round_up_to_second(now + after.as_millis() as i64));
-                let mut next = Vec::with_capacity(request.tool_calls.len() + 1);
-                let mut result = StepResult::end()
-                    .set(FRAMEWORK_RUN_STATE, json!(request.framework_run_state))
-                    .set(AGENT_USAGE, to_json(&usage))
-                    .append(AGENT_EVENTS, usage_event);
-                for (index, call) in request.tool_calls.iter().enumerate() {
-                    // The operator's explicit policy wins over what the runner says.
-                    let (effect, requires_approval) =
-                        match self.options.tool_policies.get(&call.tool_name) {
-                            Some(explicit) => (
-                                explicit.effect,
-                                explicit.requires_approval.unwrap_or_else(|| {
-                                    crate::plugin::factors::policy::is_approval_required(
-                                        explicit.effect.into(),
-                                    )
-                                }),
-                            ),
-                            None => (call.policy.effect.into(), call.policy.requires_approval),
-                        };
-                    let record = AgentToolCall {
-                        tool_call_id: call.tool_call_id.clone(),
-                        turn_id: turn.clone(),
-                        tool_name: call.tool_name.clone(),
-                        arguments: call.arguments.clone(),
-                        effect,
-                        requires_approval,
-                        status: if requires_approval {
-                            ToolCallStatus::Pending
-                        } else {
-                            ToolCallStatus::Approved
-                        },
-                        output: None,
-                        error: None,
-                        rejection_message: None,
-                        deferral_order: (records.len() + index) as u32,
-                    };
-                    result = result
-                        .set_entry(AGENT_TOOL_CALLS, &record.tool_call_id, to_json(&record))
+                Ok(Ok(outcome)) => outcome,
+            };
+            let recorded = AgentUsage::of(match &outcome {
+                TurnOutcome::Completed(done) => &done.usage,
+                TurnOutcome::ToolCallsRequested(request) => &request.usage,
+            });
+            usage.add(&recorded);
+            let usage_event = session_event(
+                &tag,
+                event_type::USAGE_RECORDED,
+                json!({"recorded": recorded, "session": usage}),
+            );
+            match outcome {
+                TurnOutcome::Completed(done) => {
+                    let mut result = StepResult::go_to(await_user_message_call());
+                    let count = done.new_messages.len() as u64;
+                    for (offset, message) in done.new_messages.iter().enumerate() {
+                        let sequence = state.message_count + 1 + offset as u64;
+                        let stored = AgentMessage::from_framework(sequence, &turn, message);
+                        result = result.set_entry(
+                            AGENT_MESSAGES,
+                            &message_sequence_key(sequence),
+                            to_json(&stored),
+                        );
+                    }
+                    state.message_count += count;
+                    state.status = SessionStatus::WaitingForUserMessage;
+                    state.active_turn_id = None;
+                    state.last_turn_error = None;
+                    Ok(result
+                        .clear(AGENT_TOOL_CALLS)
+                        .delete(FRAMEWORK_RUN_STATE, "")
+                        .clear(PENDING_INTERRUPTS)
+                        .set(AGENT_USAGE, to_json(&usage))
+                        .set(AGENT_STATE, to_json(&state))
+                        .append(AGENT_EVENTS, usage_event)
                         .append(
                             AGENT_EVENTS,
                             session_event(
                                 &tag,
-                                event_type::TOOL_CALL_DEFERRED,
-                                json!({
-                                    "tool_call_id": record.tool_call_id,
-                                    "tool_name": record.tool_name,
-                                    "effect": effect.as_str(),
-                                    "requires_approval": requires_approval,
-                                }),
+                                event_type::TURN_COMPLETED,
+                                json!({"message_count": count}),
                             ),
-                        );
-                    if requires_approval {
-                        let interrupt = AgentInterrupt {
-                            interrupt_id: interrupt_id(&turn, &record.tool_call_id),
+                        ))
+                }
+                TurnOutcome::ToolCallsRequested(request) => {
+                    check_tool_calls_requested(&request, &records).map_err(|reason| {
+                        fatal(format!(
+                            "the runner's tool-calls-requested is invalid: {reason}"
+                        ))
+                    })?;
+                    let now = ctx.now().await?;
+                    let deadline = self
+                        .options
+                        .interrupt_deadline
+                        .map(|after| round_up_to_second(now + after.as_millis() as i64));
+                    let mut next = Vec::with_capacity(request.tool_calls.len() + 1);
+                    let mut result = StepResult::end()
+                        .set(FRAMEWORK_RUN_STATE, json!(request.framework_run_state))
+                        .set(AGENT_USAGE, to_json(&usage))
+                        .append(AGENT_EVENTS, usage_event);
+                    for (index, call) in request.tool_calls.iter().enumerate() {
+                        // The operator's explicit policy wins over what the runner says.
+                        let (effect, requires_approval) =
+                            match self.options.tool_policies.get(&call.tool_name) {
+                                Some(explicit) => (
+                                    explicit.effect,
+                                    explicit.requires_approval.unwrap_or_else(|| {
+                                        crate::plugin::factors::policy::is_approval_required(
+                                            explicit.effect.into(),
+                                        )
+                                    }),
+                                ),
+                                None => (call.policy.effect.into(), call.policy.requires_approval),
+                            };
+                        let record = AgentToolCall {
+                            tool_call_id: call.tool_call_id.clone(),
                             turn_id: turn.clone(),
-                            tool_call_id: record.tool_call_id.clone(),
-                            tool_name: record.tool_name.clone(),
-                            arguments: record.arguments.clone(),
-                            deadline,
+                            tool_name: call.tool_name.clone(),
+                            arguments: call.arguments.clone(),
+                            effect,
+                            requires_approval,
+                            status: if requires_approval {
+                                ToolCallStatus::Pending
+                            } else {
+                                ToolCallStatus::Approved
+                            },
+                            output: None,
+                            error: None,
+                            rejection_message: None,
+                            deferral_order: (records.len() + index) as u32,
                         };
                         result = result
-                            .set_entry(
-                                PENDING_INTERRUPTS,
-                                &interrupt.interrupt_id,
-                                to_json(&interrupt),
-                            )
+                            .set_entry(AGENT_TOOL_CALLS, &record.tool_call_id, to_json(&record))
                             .append(
                                 AGENT_EVENTS,
                                 session_event(
                                     &tag,
-                                    event_type::INTERRUPT_RAISED,
+                                    event_type::TOOL_CALL_DEFERRED,
                                     json!({
-                                        "interrupt_id": interrupt.interrupt_id,
-                                        "tool_call_id": interrupt.tool_call_id,
-                                        "tool_name": interrupt.tool_name,
-                                        "deadline": deadline,
+                                        "tool_call_id": record.tool_call_id,
+                                        "tool_name": record.tool_name,
+                                        "effect": effect.as_str(),
+                                        "requires_approval": requires_approval,
                                     }),
                                 ),
                             );
-                        next.push(await_approval_call(
-                            &record.tool_call_id,
-                            &interrupt.interrupt_id,
-                            deadline,
-                        ));
-                    } else {
-                        next.push(tool_step_call(effect, &record.tool_call_id));
+                        if requires_approval {
+                            let interrupt = AgentInterrupt {
+                                interrupt_id: interrupt_id(&turn, &record.tool_call_id),
+                                turn_id: turn.clone(),
+                                tool_call_id: record.tool_call_id.clone(),
+                                tool_name: record.tool_name.clone(),
+                                arguments: record.arguments.clone(),
+                                deadline,
+                            };
+                            result = result
+                                .set_entry(
+                                    PENDING_INTERRUPTS,
+                                    &interrupt.interrupt_id,
+                                    to_json(&interrupt),
+                                )
+                                .append(
+                                    AGENT_EVENTS,
+                                    session_event(
+                                        &tag,
+                                        event_type::INTERRUPT_RAISED,
+                                        json!({
+                                            "interrupt_id": interrupt.interrupt_id,
+                                            "tool_call_id": interrupt.tool_call_id,
+                                            "tool_name": interrupt.tool_name,
+                                            "deadline": deadline,
+                                        }),
+                                    ),
+                                );
+                            next.push(await_approval_call(
+                                &record.tool_call_id,
+                                &interrupt.interrupt_id,
+                                deadline,
+                            ));
+                        } else {
+                            next.push(tool_step_call(effect, &record.tool_call_id));
+                        }
                     }
+                    next.push(resume_turn_call(request.tool_calls.len() as u32));
+                    state.status = SessionStatus::RunningTools;
+                    Ok(StepResult::go_to_many(next)
+                        .with_writes(result.writes)
+                        .set(AGENT_STATE, to_json(&state)))
                 }
-                next.push(resume_turn_call(request.tool_calls.len() as u32));
-                state.status = SessionStatus::RunningTools;
-                Ok(StepResult::go_to_many(next)
-                    .with_writes(result.writes)
-                    .set(AGENT_STATE, to_json(&state)))
             }
         }
+        .await;
+        settle(&ctx, leftovers, result).await
     }
 
     pub async fn await_tool_approval(
@@ -613,7 +692,9 @@ impl SessionSteps {
             )));
         }
         let tag = Self::tag(&ctx, &record.turn_id);
-        ctx.append_stream(
+        // Durable output before the tool runs: a lost worker now means the
+        // next attempt (or the failure route), never a silent second run.
+        ctx.heartbeat_with_events(
             AGENT_EVENTS,
             vec![session_event(
                 &tag,
@@ -622,9 +703,6 @@ impl SessionSteps {
             )],
         )
         .await?;
-        // Durable output before the tool runs: a lost worker now means the
-        // next attempt (or the failure route), never a silent second run.
-        ctx.heartbeat().await?;
         let execution = DeferredToolExecution {
             flow_id: ctx.flow_id().to_string(),
             turn_id: record.turn_id.clone(),
@@ -651,25 +729,29 @@ impl SessionSteps {
                 }
             }
         };
-        events.finish().await;
-        match result {
-            Ok(Ok(output)) => {
-                record.status = ToolCallStatus::Succeeded;
-                record.output = Some(output);
+        let leftovers = events.finish().await;
+        let result: Result<StepResult, StepError> = async {
+            match result {
+                Ok(Ok(output)) => {
+                    record.status = ToolCallStatus::Succeeded;
+                    record.output = Some(output);
+                }
+                Ok(Err(ToolError::Execution(message))) => {
+                    record.status = ToolCallStatus::Failed;
+                    record.error = Some(message);
+                }
+                Ok(Err(ToolError::Internal(message))) => {
+                    return Err(retryable(format!(
+                        "tool {} failed: {message}",
+                        record.tool_name
+                    )))
+                }
+                Err(err) => return Err(retryable(err.to_string())),
             }
-            Ok(Err(ToolError::Execution(message))) => {
-                record.status = ToolCallStatus::Failed;
-                record.error = Some(message);
-            }
-            Ok(Err(ToolError::Internal(message))) => {
-                return Err(retryable(format!(
-                    "tool {} failed: {message}",
-                    record.tool_name
-                )))
-            }
-            Err(err) => return Err(retryable(err.to_string())),
+            Ok(finalize(&tag, &record, StepResult::end()))
         }
-        Ok(finalize(&tag, &record, StepResult::end()))
+        .await;
+        settle(&ctx, leftovers, result).await
     }
 
     async fn record_failure(
@@ -709,12 +791,20 @@ impl SessionSteps {
     }
 
     pub async fn resume_turn(self: Arc<Self>, ctx: StepContext) -> Result<StepResult, StepError> {
-        let records = Self::records(&ctx).await?;
+        let mut answers = ctx
+            .read_state(vec![
+                StateQuery::map(AGENT_TOOL_CALLS, MapQuery::default()),
+                StateQuery::get(AGENT_STATE, ""),
+            ])
+            .await?
+            .into_iter();
+        let records: Vec<AgentToolCall> = entries_of(answers.next(), "tool call record")?;
         let unfinished = records.iter().filter(|r| !r.status.is_final()).count() as u32;
         if unfinished > 0 {
             return Ok(StepResult::go_to(resume_turn_call(unfinished)));
         }
-        let mut state = Self::state(&ctx).await?;
+        let mut state: AgentState = value_of(answers.next(), "the session state")?
+            .ok_or_else(|| fatal("the session has no state"))?;
         state.status = SessionStatus::RunningModel;
         Ok(StepResult::go_to(run_model_call()).set(AGENT_STATE, to_json(&state)))
     }

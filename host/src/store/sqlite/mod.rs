@@ -30,8 +30,8 @@ use rusqlite::{params, Connection, OptionalExtension};
 use tokio::sync::{oneshot, Notify};
 
 use crate::flow::store::{
-    AttemptFailure, ExpiredLease, FailureAction, FlowStore, RpcBody, RpcError, StepCommit,
-    StoreError,
+    AttemptFailure, ExpiredLease, FailureAction, FlowStore, RpcBody, RpcError, StateAnswer,
+    StateQuery, StepCommit, StoreError,
 };
 use crate::flow::types::{
     ClaimedTask, FlowInfo, FlowStatus, Json, MapQuery, NewTask, StepHistoryEntry, StoreMillis,
@@ -251,29 +251,28 @@ impl SqliteStore {
         self.write_job(false, work).await
     }
 
-    /// Runs `work` on a read connection.
+    /// Runs `work` on a pooled read connection, inline on the calling task.
+    /// The reads are indexed lookups of one flow's rows (microseconds), so a
+    /// hop to a blocking thread would cost more than it saves; it was the
+    /// largest share of a Step's store time.
     async fn read<T, F>(&self, work: F) -> Result<T, StoreError>
     where
         T: Send + 'static,
         F: FnOnce(&Connection, StoreMillis) -> Result<T, StoreError> + Send + 'static,
     {
-        let inner = self.inner.clone();
-        tokio::task::spawn_blocking(move || {
-            let pooled = inner.readers.lock().ok().and_then(|mut pool| pool.pop());
-            let conn = match pooled {
-                Some(conn) => conn,
-                None => connect(&inner.path, &inner.options)?,
-            };
-            let result = work(&conn, now_millis());
-            if let Ok(mut pool) = inner.readers.lock() {
-                if pool.len() < 8 {
-                    pool.push(conn);
-                }
+        let inner = &self.inner;
+        let pooled = inner.readers.lock().ok().and_then(|mut pool| pool.pop());
+        let conn = match pooled {
+            Some(conn) => conn,
+            None => connect(&inner.path, &inner.options)?,
+        };
+        let result = work(&conn, now_millis());
+        if let Ok(mut pool) = inner.readers.lock() {
+            if pool.len() < 8 {
+                pool.push(conn);
             }
-            result
-        })
-        .await
-        .map_err(backend)?
+        }
+        result
     }
 }
 
@@ -523,7 +522,14 @@ impl FlowStore for SqliteStore {
         let worker_id = worker_id.to_string();
         let flow_types = flow_types.to_vec();
         self.write_quietly(move |tx, now| {
-            state::claim(tx, now, &worker_id, &flow_types, max, lease_ms)
+            state::claim(
+                tx,
+                now,
+                &worker_id,
+                state::ClaimScope::FlowTypes(&flow_types),
+                max,
+                lease_ms,
+            )
         })
         .await
     }
@@ -573,9 +579,24 @@ impl FlowStore for SqliteStore {
         .await
     }
 
-    async fn commit_step(&self, commit: StepCommit) -> Result<(), StoreError> {
-        self.write(move |tx, now| state::commit_step(tx, now, commit))
-            .await
+    async fn commit_step(&self, commit: StepCommit) -> Result<Vec<ClaimedTask>, StoreError> {
+        self.write(move |tx, now| {
+            let claim_next = commit.claim_next.clone();
+            let flow_id = commit.flow_id.clone();
+            state::commit_step(tx, now, commit)?;
+            match claim_next {
+                Some(next) if next.max > 0 => state::claim(
+                    tx,
+                    now,
+                    &next.worker_id,
+                    state::ClaimScope::Flow(&flow_id),
+                    next.max,
+                    next.lease_ms,
+                ),
+                _ => Ok(Vec::new()),
+            }
+        })
+        .await
     }
 
     async fn fail_attempt(&self, failure: AttemptFailure) -> Result<(), StoreError> {
@@ -698,6 +719,58 @@ impl FlowStore for SqliteStore {
         let (flow_id, channel, key) = (flow_id.to_string(), channel.to_string(), key.to_string());
         self.read(move |conn, _| state::channel_len(conn, &flow_id, &channel, &key))
             .await
+    }
+
+    async fn record_output_and_append(
+        &self,
+        task_id: i64,
+        lease_token: i64,
+        flow_id: &str,
+        stream: &str,
+        payloads: Vec<Json>,
+    ) -> Result<(), StoreError> {
+        let (flow_id, stream) = (flow_id.to_string(), stream.to_string());
+        self.write_quietly(move |tx, now| {
+            let updated = cached_execute(
+                tx,
+                "UPDATE tasks SET output_recorded = 1
+                     WHERE task_id = ?1 AND lease_token = ?2 AND state = 'leased'",
+                params![task_id, lease_token],
+            )
+            .map_err(backend)?;
+            if updated == 0 {
+                return Err(StoreError::StaleLease { task_id });
+            }
+            state::append_stream(tx, now, &flow_id, &stream, &payloads)?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn read_state(
+        &self,
+        flow_id: &str,
+        queries: Vec<StateQuery>,
+    ) -> Result<Vec<StateAnswer>, StoreError> {
+        let flow_id = flow_id.to_string();
+        self.read(move |conn, _| {
+            // One transaction, so that every answer comes from one snapshot.
+            let tx = conn.unchecked_transaction().map_err(backend)?;
+            let answers = queries
+                .iter()
+                .map(|query| match query {
+                    StateQuery::Get { name, key } => {
+                        state::get(&tx, &flow_id, name, key).map(StateAnswer::Value)
+                    }
+                    StateQuery::Map { name, query } => {
+                        state::read_map(&tx, &flow_id, name, query).map(StateAnswer::Entries)
+                    }
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            tx.finish().map_err(backend)?;
+            Ok(answers)
+        })
+        .await
     }
 
     async fn append_stream(

@@ -241,28 +241,40 @@ fn channel_messages(
         .collect()
 }
 
+/// Which tasks a claim may take.
+pub(super) enum ClaimScope<'a> {
+    /// Any flow of these types (the worker's poll).
+    FlowTypes(&'a [String]),
+    /// This flow only (a claim made with a commit).
+    Flow(&'a str),
+}
+
 pub(super) fn claim(
     conn: &Connection,
     now: StoreMillis,
     worker_id: &str,
-    flow_types: &[String],
+    scope: ClaimScope<'_>,
     max: usize,
     lease_ms: i64,
 ) -> Result<Vec<ClaimedTask>, StoreError> {
+    let (filter, mut values): (String, Vec<rusqlite::types::Value>) = match scope {
+        ClaimScope::FlowTypes(flow_types) => (
+            format!("flow_type IN ({})", in_list(flow_types.len())),
+            flow_types.iter().map(|t| t.clone().into()).collect(),
+        ),
+        ClaimScope::Flow(flow_id) => ("flow_id = ?".to_string(), vec![flow_id.to_string().into()]),
+    };
     let sql = format!(
         "SELECT task_id FROM tasks
-         WHERE flow_type IN ({})
+         WHERE {filter}
            AND ((state = 'ready' AND not_before_ms <= ?) OR (state = 'waiting' AND wake_at_ms <= ?))
-         ORDER BY not_before_ms, task_id LIMIT ?",
-        in_list(flow_types.len())
+         ORDER BY not_before_ms, task_id LIMIT ?"
     );
-    let mut values: Vec<rusqlite::types::Value> =
-        flow_types.iter().map(|t| t.clone().into()).collect();
     values.push(now.into());
     values.push(now.into());
     values.push((max as i64).into());
     let ids = {
-        let mut stmt = conn.prepare(&sql).map_err(backend)?;
+        let mut stmt = conn.prepare_cached(&sql).map_err(backend)?;
         let ids = stmt
             .query_map(params_from_iter(values), |row| row.get::<_, i64>(0))
             .map_err(backend)?
