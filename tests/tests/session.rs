@@ -1591,3 +1591,140 @@ async fn build_user_message_must_return_the_user_role() {
     let error = flow.error.unwrap_or_default();
     assert!(error.contains("it must be user"), "{error}");
 }
+
+#[tokio::test]
+async fn the_host_model_answers_run_model_and_its_usage_and_text_reach_the_session() {
+    use dexa::plugin::wit::{
+        MessageRole as WitRole, ModelMessage, ModelResponse, ModelToolCall, Usage,
+    };
+    use dexa::plugin::ScriptedModelProvider;
+    let responses = vec![
+        ModelResponse {
+            message: ModelMessage {
+                role: WitRole::Assistant,
+                content: None,
+                tool_calls: vec![ModelToolCall {
+                    id: "m1".into(),
+                    name: "echo".into(),
+                    arguments: r#"{"from":"model"}"#.into(),
+                }],
+                tool_call_id: None,
+            },
+            usage: Usage {
+                input_tokens: 7,
+                output_tokens: 3,
+                total_tokens: 10,
+            },
+            finish_reason: "tool_calls".into(),
+        },
+        ModelResponse {
+            message: ModelMessage {
+                role: WitRole::Assistant,
+                content: Some("the model is done".into()),
+                tool_calls: vec![],
+                tool_call_id: None,
+            },
+            usage: Usage {
+                input_tokens: 20,
+                output_tokens: 5,
+                total_tokens: 25,
+            },
+            finish_reason: "stop".into(),
+        },
+    ];
+    let model = Arc::new(ScriptedModelProvider::new(responses));
+    let options =
+        AgentSessionOptions::default().tool_policy("echo", ToolPolicy::new(ToolEffect::Read));
+    let stack = started(vec![echo_agent("Model")
+        .options(options)
+        .model(model.clone())])
+    .await;
+    let sessions = stack.sessions("Model");
+    sessions
+        .start_session("s1", &turn(json!([{"model": true}, {"model": true}])))
+        .await
+        .unwrap();
+    let snapshot = wait_for_turns(&sessions, "s1", 1).await;
+    assert_eq!(snapshot.state.as_ref().unwrap().last_turn_error, None);
+    assert_eq!(
+        snapshot.usage,
+        AgentUsage {
+            input_tokens: 27,
+            output_tokens: 8,
+            total_tokens: 35,
+            model_calls: 2
+        }
+    );
+    assert_eq!(tool_results(&snapshot)["m1"], r#"{"from":"model"}"#);
+    assert_eq!(
+        snapshot.messages.last().unwrap().text.as_deref(),
+        Some("the model is done")
+    );
+    // The second request carried the tool's result back to the model.
+    let requests = model.requests();
+    assert_eq!(requests.len(), 2);
+    assert!(requests[1]
+        .messages
+        .iter()
+        .any(|m| m.tool_call_id.as_deref() == Some("m1")));
+    // The provider's streamed text reached the session's events.
+    let text: String = all_events(&sessions, "s1")
+        .await
+        .into_iter()
+        .filter(|e| e.event_type == event_type::TEXT_DELTA)
+        .map(|e| e.data["text"].as_str().unwrap_or_default().to_string())
+        .collect();
+    assert_eq!(text, "the model is done");
+}
+
+/// The README's first command: `dexa demo` runs the example agent offline.
+#[tokio::test]
+async fn the_demo_command_runs_the_example_agent_offline() {
+    let binary = dexa_tests::repo_root()
+        .join("target")
+        .join("debug")
+        .join("dexa");
+    assert!(
+        binary.is_file(),
+        "{} is missing; cargo builds it with the workspace",
+        binary.display()
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let output = tokio::process::Command::new(&binary)
+        .arg("demo")
+        .arg("--guests-dir")
+        .arg(dexa_tests::guests_dir())
+        .arg("--store")
+        .arg(dir.path().join("demo.sqlite"))
+        .arg("--ledger-dir")
+        .arg(dir.path().join("ledger"))
+        .arg("--cache-dir")
+        .arg(
+            dexa_tests::repo_root()
+                .join("target")
+                .join("test-component-cache"),
+        )
+        .kill_on_drop(true)
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "dexa demo failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(stdout.contains("[turn-1 completed]"), "{stdout}");
+    assert!(
+        stdout.contains("[tool record_payment pay succeeded]"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("recorded a payment of 120"), "{stdout}");
+    assert_eq!(
+        std::fs::read_dir(dir.path().join("ledger"))
+            .unwrap()
+            .count(),
+        1,
+        "one payment in the granted directory"
+    );
+}

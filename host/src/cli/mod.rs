@@ -2,6 +2,7 @@
 
 pub mod bench;
 pub mod bench_turn;
+pub mod demo;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -32,6 +33,9 @@ pub enum Command {
     /// Work with a single component: check it, list its tools, call it.
     #[command(subcommand)]
     Component(ComponentCommand),
+    /// Run one session of the offline example agent (scripted runner, two
+    /// tool components) on the embedded SQLite store.
+    Demo(demo::DemoArgs),
     /// Measure the engine (build with --release for real numbers).
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -126,6 +130,7 @@ fn component_name(path: &std::path::Path) -> String {
 
 pub async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
+        Command::Demo(args) => demo::run(args).await,
         Command::Component(ComponentCommand::Inspect(args)) => inspect(args).await,
         Command::Component(ComponentCommand::Call(args)) => call(args).await,
         Command::Bench(BenchCommand::Engine(args)) => bench::run(args).await,
