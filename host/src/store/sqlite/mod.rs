@@ -147,7 +147,7 @@ fn connect(path: &Path, options: &SqliteOptions) -> Result<Connection, StoreErro
     };
     conn.pragma_update(None, "synchronous", sync)
         .map_err(backend)?;
-    conn.set_prepared_statement_cache_capacity(64);
+    conn.set_prepared_statement_cache_capacity(256);
     Ok(conn)
 }
 
@@ -343,7 +343,7 @@ fn spawn_checkpointer(conn: Connection) -> Result<mpsc::Sender<()>, StoreError> 
 /// Runs one batch; true when a committed write may have made work ready.
 fn run_batch(conn: &Connection, batch: Vec<WriteJob>) -> bool {
     let now = now_millis();
-    if let Err(err) = conn.execute_batch("BEGIN IMMEDIATE") {
+    if let Err(err) = cached_execute(conn, "BEGIN IMMEDIATE", []) {
         let reason = format!("cannot begin a write transaction: {err}");
         for job in batch {
             (job(Err(reason.clone()), now).deliver)(Err(reason.clone()));
@@ -352,17 +352,18 @@ fn run_batch(conn: &Connection, batch: Vec<WriteJob>) -> bool {
     }
     let mut done = Vec::with_capacity(batch.len());
     for job in batch {
-        let savepoint = conn.execute_batch("SAVEPOINT job");
+        let savepoint = cached_execute(conn, "SAVEPOINT job", []);
         let outcome = match savepoint {
-            Ok(()) => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(Ok(conn), now))),
+            Ok(_) => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(Ok(conn), now))),
             Err(err) => Ok(job(Err(format!("cannot open a savepoint: {err}")), now)),
         };
         match outcome {
             Ok(result) => {
                 let closed = if result.ok {
-                    conn.execute_batch("RELEASE job")
+                    cached_execute(conn, "RELEASE job", [])
                 } else {
-                    conn.execute_batch("ROLLBACK TO job; RELEASE job")
+                    cached_execute(conn, "ROLLBACK TO job", [])
+                        .and_then(|_| cached_execute(conn, "RELEASE job", []))
                 };
                 if let Err(err) = closed {
                     tracing::error!(error = %err, "closing a savepoint failed");
@@ -372,14 +373,17 @@ fn run_batch(conn: &Connection, batch: Vec<WriteJob>) -> bool {
             Err(_) => {
                 // The job panicked (its reply sender is gone with it): undo it.
                 tracing::error!("a store write panicked; it was rolled back");
-                let _ = conn.execute_batch("ROLLBACK TO job; RELEASE job");
+                let _ = cached_execute(conn, "ROLLBACK TO job", [])
+                    .and_then(|_| cached_execute(conn, "RELEASE job", []));
             }
         }
     }
-    let committed = conn.execute_batch("COMMIT").map_err(|err| {
-        let _ = conn.execute_batch("ROLLBACK");
-        format!("commit failed: {err}")
-    });
+    let committed = cached_execute(conn, "COMMIT", [])
+        .map(|_| ())
+        .map_err(|err| {
+            let _ = conn.execute_batch("ROLLBACK");
+            format!("commit failed: {err}")
+        });
     let wake = committed.is_ok() && done.iter().any(|d| d.wake);
     for result in done {
         (result.deliver)(committed.clone());
@@ -517,6 +521,15 @@ impl FlowStore for SqliteStore {
         lease_ms: i64,
     ) -> Result<Vec<ClaimedTask>, StoreError> {
         if flow_types.is_empty() || max == 0 {
+            return Ok(Vec::new());
+        }
+        // Most looks find nothing; a read says so without taking the writer.
+        // A task made ready after this read wakes the worker again.
+        let probe = flow_types.to_vec();
+        if !self
+            .read(move |conn, now| state::any_claimable(conn, now, &probe))
+            .await?
+        {
             return Ok(Vec::new());
         }
         let worker_id = worker_id.to_string();

@@ -241,6 +241,29 @@ fn channel_messages(
         .collect()
 }
 
+/// Whether any task of `flow_types` could be claimed now (a cheap read that
+/// spares the writer the claims that would find nothing).
+pub(super) fn any_claimable(
+    conn: &Connection,
+    now: StoreMillis,
+    flow_types: &[String],
+) -> Result<bool, StoreError> {
+    let sql = format!(
+        "SELECT 1 FROM tasks
+         WHERE flow_type IN ({})
+           AND ((state = 'ready' AND not_before_ms <= ?) OR (state = 'waiting' AND wake_at_ms <= ?))
+         LIMIT 1",
+        in_list(flow_types.len())
+    );
+    let mut values: Vec<rusqlite::types::Value> =
+        flow_types.iter().map(|t| t.clone().into()).collect();
+    values.push(now.into());
+    values.push(now.into());
+    let mut stmt = conn.prepare_cached(&sql).map_err(backend)?;
+    let found = stmt.exists(params_from_iter(values)).map_err(backend)?;
+    Ok(found)
+}
+
 /// Which tasks a claim may take.
 pub(super) enum ClaimScope<'a> {
     /// Any flow of these types (the worker's poll).
