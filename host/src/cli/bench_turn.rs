@@ -122,6 +122,31 @@ impl Bench {
     }
 }
 
+/// The machine's CPU counters (`/proc/stat`): (steal, total) in ticks.
+fn cpu_ticks() -> Option<(u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let fields: Vec<u64> = stat
+        .lines()
+        .next()?
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|f| f.parse().ok())
+        .collect();
+    Some((*fields.get(7)?, fields.iter().sum()))
+}
+
+/// The share of CPU time the hypervisor took away since `since` (a noisy
+/// neighbour slows every number of the run).
+fn steal_since(since: Option<(u64, u64)>) -> String {
+    match (since, cpu_ticks()) {
+        (Some((steal0, total0)), Some((steal1, total1))) if total1 > total0 => format!(
+            "{:.0}%",
+            100.0 * (steal1 - steal0) as f64 / (total1 - total0) as f64
+        ),
+        _ => "unknown".to_string(),
+    }
+}
+
 fn peak_rss_kib() -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     status
@@ -214,6 +239,7 @@ pub async fn run(args: TurnBenchArgs) -> anyhow::Result<()> {
     }
 
     // Sequential: one turn at a time.
+    let ticks = cpu_ticks();
     let mut latencies = Vec::new();
     for s in 0..args.sequential_sessions {
         bench
@@ -247,12 +273,13 @@ pub async fn run(args: TurnBenchArgs) -> anyhow::Result<()> {
         );
     }
     println!(
-        "turn/sequential: {} turns over {} sessions; latency p50 {}, p99 {}, max {}",
+        "turn/sequential: {} turns over {} sessions; latency p50 {}, p99 {}, max {}; CPU steal {}",
         latencies.len(),
         args.sequential_sessions,
         micros(percentile(&latencies, 0.50)),
         micros(percentile(&latencies, 0.99)),
         micros(latencies.last().copied().unwrap_or_default()),
+        steal_since(ticks),
     );
 
     // Throughput: concurrent clients, each taking the next session.
@@ -264,6 +291,7 @@ pub async fn run(args: TurnBenchArgs) -> anyhow::Result<()> {
     }
     let next = Arc::new(AtomicU64::new(0));
     let steps_before = steps.load(Ordering::Relaxed);
+    let ticks = cpu_ticks();
     let started = Instant::now();
     let mut clients = tokio::task::JoinSet::new();
     for _ in 0..args.clients {
@@ -290,7 +318,7 @@ pub async fn run(args: TurnBenchArgs) -> anyhow::Result<()> {
     let committed = steps.load(Ordering::Relaxed) - steps_before;
     loaded.sort();
     println!(
-        "turn/throughput: {} clients, {} turns over {} sessions in {:.2} s = {:.0} turns/s, {:.0} Steps/s; turn latency p50 {}, p99 {}",
+        "turn/throughput: {} clients, {} turns over {} sessions in {:.2} s = {:.0} turns/s, {:.0} Steps/s; turn latency p50 {}, p99 {}; CPU steal {}",
         args.clients,
         loaded.len(),
         args.sessions,
@@ -299,6 +327,7 @@ pub async fn run(args: TurnBenchArgs) -> anyhow::Result<()> {
         committed as f64 / elapsed.as_secs_f64(),
         micros(percentile(&loaded, 0.50)),
         micros(percentile(&loaded, 0.99)),
+        steal_since(ticks),
     );
     match peak_rss_kib() {
         Some(kib) => println!(
