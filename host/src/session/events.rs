@@ -174,3 +174,24 @@ impl Drop for BackgroundHeartbeat {
         self.0.abort();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn the_background_heartbeat_beats_every_20_seconds_until_dropped() {
+        let heartbeat = Heartbeat::new();
+        heartbeat.take_unrecorded();
+        let background = BackgroundHeartbeat::start(heartbeat.clone());
+        tokio::time::sleep(BACKGROUND_HEARTBEAT - Duration::from_secs(1)).await;
+        assert!(!heartbeat.take_unrecorded(), "no beat before 20 s");
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert!(heartbeat.take_unrecorded(), "a beat at 20 s");
+        tokio::time::sleep(BACKGROUND_HEARTBEAT).await;
+        assert!(heartbeat.take_unrecorded(), "and every 20 s after");
+        drop(background);
+        tokio::time::sleep(BACKGROUND_HEARTBEAT * 2).await;
+        assert!(!heartbeat.take_unrecorded(), "none once the Step has ended");
+    }
+}
