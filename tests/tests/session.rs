@@ -1728,3 +1728,72 @@ async fn the_demo_command_runs_the_example_agent_offline() {
         "one payment in the granted directory"
     );
 }
+
+#[tokio::test]
+async fn a_runner_may_add_an_approval_but_never_skip_one() {
+    let stack = started(vec![echo_agent("Lying")]).await;
+    let sessions = stack.sessions("Lying");
+    let script = turn(json!([
+        {"tool_calls": [
+            {"id": "skip", "name": "echo", "arguments": {}, "effect": "non_idempotent_write", "requires_approval": false},
+            {"id": "add", "name": "echo", "arguments": {}, "effect": "read", "requires_approval": true}
+        ]},
+        {"text": "done"}
+    ]));
+    sessions.start_session("s1", &script).await.unwrap();
+    let snapshot = wait_for_agent_snapshot(&sessions, "s1", "both approvals", |s| {
+        (s.pending_interrupts.len() == 2).then(|| s.clone())
+    })
+    .await;
+    assert!(
+        record(&snapshot, "skip").requires_approval,
+        "the effect's approval stands"
+    );
+    assert!(record(&snapshot, "add").requires_approval);
+    assert!(stack
+        .step_history("s1")
+        .await
+        .iter()
+        .all(|e| e.step_type != step::CALL_SINGLE_ATTEMPT_TOOL));
+}
+
+#[tokio::test]
+async fn an_event_too_large_for_the_stream_is_dropped_and_the_turn_completes() {
+    let options = AgentSessionOptions::default().events_capacity(2000);
+    let stack = started(vec![echo_agent("Oversize").options(options)]).await;
+    let sessions = stack.sessions("Oversize");
+    let big = "x".repeat(5000);
+    sessions
+        .start_session(
+            "s1",
+            &turn(json!([{"text": big.clone(), "deltas": [big, "small"]}])),
+        )
+        .await
+        .unwrap();
+    let snapshot = wait_for_turns(&sessions, "s1", 1).await;
+    assert_eq!(snapshot.state.unwrap().last_turn_error, None);
+    assert_eq!(
+        snapshot
+            .messages
+            .last()
+            .unwrap()
+            .text
+            .as_deref()
+            .map(str::len),
+        Some(5000),
+        "the message is stored in full"
+    );
+    let deltas: Vec<String> = all_events(&sessions, "s1")
+        .await
+        .into_iter()
+        .filter(|e| e.event_type == event_type::TEXT_DELTA)
+        .map(|e| e.data["text"].as_str().unwrap_or_default().to_string())
+        .collect();
+    assert_eq!(deltas, vec!["small".to_string()]);
+    let steps = executed(&stack.step_history("s1").await);
+    assert_eq!(
+        count(&steps, step::RUN_MODEL),
+        1,
+        "committed on the first attempt: {steps:?}"
+    );
+}

@@ -25,7 +25,8 @@
 //! `"model_twice": true` (with `model`: calls the model a second time and
 //! appends that call's result to the answer, to test the host's one-call rule),
 //! `"run_state": "..."` (overrides the run state it returns, to test the host's
-//! checks). `effect` is the framework effect passed to `resolve-tool-policy`.
+//! checks). `effect` is the framework effect passed to `resolve-tool-policy`;
+//! a tool call's `"requires_approval"` overrides the policy it returned.
 //!
 //! The config key `user_role` makes `build-user-message` use another role, to
 //! test the host's check that it is `user`.
@@ -79,6 +80,10 @@ struct ScriptedToolCall {
     #[serde(default)]
     arguments: Value,
     effect: Option<String>,
+    /// Overrides the resolved policy's approval (a lying runner, to test
+    /// that the host does not let a runner skip an approval).
+    #[serde(default)]
+    requires_approval: Option<bool>,
 }
 
 #[derive(Deserialize, Clone, Copy, Default)]
@@ -237,6 +242,7 @@ fn model_step(turn: &TurnContext, mut state: RunState, twice: bool) -> Result<Tu
             name: c.name,
             arguments: Value::String(c.arguments),
             effect: None,
+            requires_approval: None,
         })
         .collect::<Vec<_>>();
     request_tools(state, &calls, response.usage, None)
@@ -282,11 +288,15 @@ fn request_tools(
             Value::String(text) => text.clone(),
             other => other.to_string(),
         };
+        let mut policy = policy::resolve_tool_policy(&call.name, framework_effect);
+        if let Some(required) = call.requires_approval {
+            policy.requires_approval = required;
+        }
         deferred.push(DeferredToolCall {
             tool_call_id: call.id.clone(),
             tool_name: call.name.clone(),
             arguments: arguments.clone(),
-            policy: policy::resolve_tool_policy(&call.name, framework_effect),
+            policy,
         });
     }
     state.items.push(json!({

@@ -30,8 +30,41 @@ pub fn session_event(tag: &StepTag, event_type: &str, data: Json) -> Json {
     serde_json::to_value(event).unwrap_or(Json::Null)
 }
 
-/// The stream payload of a guest's event.
-fn guest_event(event: TaggedEvent) -> Json {
+/// Event types only the host writes; a guest's `write-event` may not use them,
+/// so that no component can fake the session's own record of what happened.
+const RESERVED: [&str; 11] = [
+    event_type::TURN_STARTED,
+    event_type::TOOL_CALL_STARTED,
+    event_type::TOOL_CALL_FINISHED,
+    event_type::TURN_COMPLETED,
+    event_type::TURN_FAILED,
+    event_type::TEXT_DELTA,
+    event_type::REASONING_DELTA,
+    event_type::TOOL_CALL_DEFERRED,
+    event_type::INTERRUPT_RAISED,
+    event_type::INTERRUPT_RESOLVED,
+    event_type::USAGE_RECORDED,
+];
+
+/// Whether an event fits the stream: one larger than the stream's capacity
+/// could never be stored, and events are best effort, so it is dropped.
+pub fn fits(payload: &Json, capacity: u64) -> bool {
+    let size = serde_json::to_string(payload)
+        .map(|t| t.len() as u64)
+        .unwrap_or(u64::MAX);
+    if size > capacity {
+        tracing::warn!(
+            size,
+            capacity,
+            "dropping an event larger than the event stream's capacity"
+        );
+        return false;
+    }
+    true
+}
+
+/// The stream payload of a guest's event; none for a reserved event type.
+fn guest_event(event: TaggedEvent) -> Option<Json> {
     let (kind, data) = match event.event {
         GuestEvent::TextDelta { text } => {
             (event_type::TEXT_DELTA.to_string(), json!({"text": text}))
@@ -58,13 +91,24 @@ fn guest_event(event: TaggedEvent) -> Json {
         GuestEvent::Custom {
             event_type,
             payload,
-        } => (event_type, payload),
+        } => {
+            if RESERVED.contains(&event_type.as_str()) {
+                tracing::warn!(
+                    event_type,
+                    "a guest may not write the host's own event types"
+                );
+                return None;
+            }
+            (event_type, payload)
+        }
     };
-    session_event(&event.tag, &kind, data)
+    Some(session_event(&event.tag, &kind, data))
 }
 
 #[derive(Default)]
 struct Buffer {
+    /// The event stream's capacity in bytes.
+    capacity: u64,
     pending: Mutex<Vec<Json>>,
     wake: Notify,
     closing: Notify,
@@ -77,8 +121,11 @@ pub const LIVE_FLUSH_INTERVAL: Duration = Duration::from_millis(10);
 
 impl EventSink for Buffer {
     fn write(&self, event: TaggedEvent) {
+        let Some(payload) = guest_event(event).filter(|p| fits(p, self.capacity)) else {
+            return;
+        };
         if let Ok(mut pending) = self.pending.lock() {
-            pending.push(guest_event(event));
+            pending.push(payload);
         }
         self.wake.notify_one();
     }
@@ -96,13 +143,16 @@ impl Buffer {
 /// The event stream of one Step execution attempt.
 pub(crate) struct StepEvents {
     buffer: Arc<Buffer>,
-    drain: JoinHandle<()>,
+    drain: Option<JoinHandle<()>>,
 }
 
 impl StepEvents {
     /// Starts the background flush into `ctx`'s session stream.
-    pub fn start(ctx: &StepContext) -> Self {
-        let buffer = Arc::new(Buffer::default());
+    pub fn start(ctx: &StepContext, capacity: u64) -> Self {
+        let buffer = Arc::new(Buffer {
+            capacity,
+            ..Buffer::default()
+        });
         let store = ctx.store().clone();
         let flow_id = ctx.flow_id().to_string();
         let drained = buffer.clone();
@@ -126,7 +176,16 @@ impl StepEvents {
                 }
             }
         });
-        Self { buffer, drain }
+        Self {
+            buffer,
+            drain: Some(drain),
+        }
+    }
+
+    fn close(&self) {
+        self.buffer.closed.store(true, Ordering::Release);
+        self.buffer.wake.notify_one();
+        self.buffer.closing.notify_one();
     }
 
     pub fn sink(&self) -> Arc<dyn EventSink> {
@@ -135,14 +194,24 @@ impl StepEvents {
 
     /// Stops the background flush and returns the events it had not written
     /// yet, in order, for the Step to commit with its result.
-    pub async fn finish(self) -> Vec<Json> {
-        self.buffer.closed.store(true, Ordering::Release);
-        self.buffer.wake.notify_one();
-        self.buffer.closing.notify_one();
-        if let Err(err) = self.drain.await {
-            tracing::warn!(error = %err, "the event flush task failed");
+    pub async fn finish(mut self) -> Vec<Json> {
+        self.close();
+        if let Some(drain) = self.drain.take() {
+            if let Err(err) = drain.await {
+                tracing::warn!(error = %err, "the event flush task failed");
+            }
         }
         self.buffer.take()
+    }
+}
+
+/// A Step aborted mid-call (timeout, lost lease) never calls `finish`; its
+/// flush task must still end.
+impl Drop for StepEvents {
+    fn drop(&mut self) {
+        if self.drain.is_some() {
+            self.close();
+        }
     }
 }
 
@@ -178,6 +247,38 @@ impl Drop for BackgroundHeartbeat {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn custom(event_type: &str) -> TaggedEvent {
+        TaggedEvent {
+            tag: StepTag {
+                flow_id: "s".into(),
+                turn_id: "turn-1".into(),
+                step_execution_id: "sx-1".into(),
+                attempt: 1,
+            },
+            event: GuestEvent::Custom {
+                event_type: event_type.to_string(),
+                payload: json!({"n": 1}),
+            },
+        }
+    }
+
+    #[test]
+    fn a_guest_cannot_write_the_hosts_own_event_types() {
+        for reserved in RESERVED {
+            assert_eq!(guest_event(custom(reserved)), None, "{reserved}");
+        }
+        let allowed = guest_event(custom("progress")).expect("a custom event");
+        assert_eq!(allowed["type"], json!("progress"));
+        assert_eq!(allowed["step_execution_id"], json!("sx-1"));
+    }
+
+    #[test]
+    fn an_event_larger_than_the_stream_is_dropped() {
+        let event = json!({"text": "x".repeat(100)});
+        assert!(fits(&event, 1000));
+        assert!(!fits(&event, 50));
+    }
 
     #[tokio::test(start_paused = true)]
     async fn the_background_heartbeat_beats_every_20_seconds_until_dropped() {

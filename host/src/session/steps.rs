@@ -11,7 +11,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::json;
 
-use super::events::{session_event, BackgroundHeartbeat, StepEvents, StepHeartbeats};
+use super::events::{fits, session_event, BackgroundHeartbeat, StepEvents, StepHeartbeats};
 use super::flow::{AgentComponents, AgentSessionOptions, RUN_MODEL_TIMEOUT};
 use super::records::*;
 use crate::flow::{
@@ -87,7 +87,12 @@ pub fn check_tool_calls_requested(
 
 /// Rounds a store time up to a whole second.
 fn round_up_to_second(at: StoreMillis) -> StoreMillis {
-    at.div_euclid(1000) * 1000 + if at.rem_euclid(1000) == 0 { 0 } else { 1000 }
+    let whole = at.div_euclid(1000).saturating_mul(1000);
+    if at.rem_euclid(1000) == 0 {
+        whole
+    } else {
+        whole.saturating_add(1000)
+    }
 }
 
 fn fatal(message: impl Into<String>) -> StepError {
@@ -311,12 +316,15 @@ impl SessionSteps {
         text: &str,
     ) -> Result<wit::FrameworkMessage, StepError> {
         let components = self.components()?;
-        let events = StepEvents::start(ctx);
+        let events = StepEvents::start(ctx, self.options.events_capacity);
         let env = self.env(ctx, tag.clone(), &events, BUILD_USER_MESSAGE_TIMEOUT);
         let message = components.runner.build_user_message(env, text).await;
         let leftovers = events.finish().await;
         if !leftovers.is_empty() {
-            ctx.append_stream(AGENT_EVENTS, leftovers).await?;
+            // Best effort, like every live event.
+            if let Err(err) = ctx.append_stream(AGENT_EVENTS, leftovers).await {
+                tracing::warn!(error = %err, "dropping the live events of build-user-message");
+            }
         }
         let message = message.map_err(|err| retryable(err.to_string()))?;
         if message.role != wit::MessageRole::User {
@@ -438,7 +446,7 @@ impl SessionSteps {
             tools: components.tool_specs.clone(),
         };
         let tag = Self::tag(&ctx, &turn);
-        let events = StepEvents::start(&ctx);
+        let events = StepEvents::start(&ctx, self.options.events_capacity);
         let outcome = {
             let _beat = BackgroundHeartbeat::start(ctx.heartbeat_handle());
             let mut env = self.env(&ctx, tag.clone(), &events, RUN_MODEL_TIMEOUT);
@@ -506,10 +514,10 @@ impl SessionSteps {
                         ))
                     })?;
                     let now = ctx.now().await?;
-                    let deadline = self
-                        .options
-                        .interrupt_deadline
-                        .map(|after| round_up_to_second(now + after.as_millis() as i64));
+                    let deadline = self.options.interrupt_deadline.map(|after| {
+                        let after = i64::try_from(after.as_millis()).unwrap_or(i64::MAX);
+                        round_up_to_second(now.saturating_add(after))
+                    });
                     let mut next = Vec::with_capacity(request.tool_calls.len() + 1);
                     let mut result = StepResult::end()
                         .set(FRAMEWORK_RUN_STATE, json!(request.framework_run_state))
@@ -527,7 +535,16 @@ impl SessionSteps {
                                         )
                                     }),
                                 ),
-                                None => (call.policy.effect.into(), call.policy.requires_approval),
+                                // A runner may ask for an approval the effect
+                                // does not need, but never skip one it does.
+                                None => {
+                                    let effect: ToolEffect = call.policy.effect.into();
+                                    let required =
+                                        crate::plugin::factors::policy::is_approval_required(
+                                            effect.into(),
+                                        );
+                                    (effect, call.policy.requires_approval || required)
+                                }
                             };
                         let record = AgentToolCall {
                             tool_call_id: call.tool_call_id.clone(),
@@ -694,15 +711,15 @@ impl SessionSteps {
         let tag = Self::tag(&ctx, &record.turn_id);
         // Durable output before the tool runs: a lost worker now means the
         // next attempt (or the failure route), never a silent second run.
-        ctx.heartbeat_with_events(
-            AGENT_EVENTS,
-            vec![session_event(
-                &tag,
-                event_type::TOOL_CALL_STARTED,
-                json!({"tool_call_id": id, "tool_name": record.tool_name}),
-            )],
-        )
-        .await?;
+        let started = session_event(
+            &tag,
+            event_type::TOOL_CALL_STARTED,
+            json!({"tool_call_id": id, "tool_name": record.tool_name}),
+        );
+        let started: Vec<Json> = std::iter::once(started)
+            .filter(|event| fits(event, self.options.events_capacity))
+            .collect();
+        ctx.heartbeat_with_events(AGENT_EVENTS, started).await?;
         let execution = DeferredToolExecution {
             flow_id: ctx.flow_id().to_string(),
             turn_id: record.turn_id.clone(),
@@ -710,7 +727,7 @@ impl SessionSteps {
             idempotency_key: idempotency_key(ctx.flow_id(), &record.turn_id, &id),
             attempt: ctx.attempt(),
         };
-        let events = StepEvents::start(&ctx);
+        let events = StepEvents::start(&ctx, self.options.events_capacity);
         let result = {
             let _beat = BackgroundHeartbeat::start(ctx.heartbeat_handle());
             let env = self.env(
@@ -863,5 +880,6 @@ mod tests {
         assert_eq!(round_up_to_second(5_000), 5_000);
         assert_eq!(round_up_to_second(5_001), 6_000);
         assert_eq!(round_up_to_second(5_999), 6_000);
+        assert_eq!(round_up_to_second(i64::MAX), i64::MAX, "saturates");
     }
 }
