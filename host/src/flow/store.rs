@@ -226,7 +226,6 @@ pub trait FlowStore: Send + Sync + 'static {
     ) -> Result<Vec<i64>, StoreError>;
     /// Records that the Step produced output (a heartbeat), fenced.
     async fn record_output(&self, task_id: i64, lease_token: i64) -> Result<(), StoreError>;
-    /// Commits a Step; returns the tasks `claim_next` leased, if asked.
     /// Records output and appends to a stream in one write: a Step's
     /// durable "started" marker together with its live event.
     async fn record_output_and_append(
@@ -241,6 +240,7 @@ pub trait FlowStore: Send + Sync + 'static {
         self.append_stream(flow_id, stream, payloads).await?;
         Ok(())
     }
+    /// Commits a Step; returns the tasks `claim_next` leased, if asked.
     async fn commit_step(&self, commit: StepCommit) -> Result<Vec<ClaimedTask>, StoreError>;
     async fn fail_attempt(&self, failure: AttemptFailure) -> Result<(), StoreError>;
     /// Tasks of `flow_types` whose lease has run out.

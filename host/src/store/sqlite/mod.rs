@@ -252,9 +252,9 @@ impl SqliteStore {
     }
 
     /// Runs `work` on a pooled read connection, inline on the calling task.
-    /// The reads are indexed lookups of one flow's rows (microseconds), so a
-    /// hop to a blocking thread would cost more than it saves; it was the
-    /// largest share of a Step's store time.
+    /// The reads are indexed lookups of one flow's rows (microseconds), and
+    /// WAL readers never wait for writers, so a hop to a blocking thread
+    /// would cost more than the read.
     async fn read<T, F>(&self, work: F) -> Result<T, StoreError>
     where
         T: Send + 'static,
