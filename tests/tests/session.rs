@@ -76,6 +76,30 @@ fn tool_results(snapshot: &AgentSnapshot) -> BTreeMap<String, String> {
         .collect()
 }
 
+/// Waits for the session's first pending approval.
+async fn first_pending_interrupt(
+    sessions: &AgentSessionClient,
+    session_id: &str,
+) -> AgentInterrupt {
+    wait_for_agent_snapshot(sessions, session_id, "the approval", |s| {
+        s.pending_interrupts.first().cloned()
+    })
+    .await
+}
+
+/// A `resolve_interrupt` request.
+fn answer(
+    interrupt_id: impl Into<String>,
+    approved: bool,
+    rejection_message: Option<&str>,
+) -> ResolveInterruptRequest {
+    ResolveInterruptRequest {
+        interrupt_id: interrupt_id.into(),
+        approved,
+        rejection_message: rejection_message.map(str::to_string),
+    }
+}
+
 #[tokio::test]
 async fn a_turn_with_tools_follows_the_flow_shape() {
     let stack = started(vec![echo_agent("Shape")]).await;
@@ -631,19 +655,9 @@ async fn every_tool_call_publishes_exactly_one_result_when_its_record_becomes_fi
         {"text": "done"}
     ]));
     sessions.start_session("s1", &script).await.unwrap();
-    let interrupt = wait_for_agent_snapshot(&sessions, "s1", "the approval", |s| {
-        s.pending_interrupts.first().cloned()
-    })
-    .await;
+    let interrupt = first_pending_interrupt(&sessions, "s1").await;
     assert!(sessions
-        .resolve_interrupt(
-            "s1",
-            ResolveInterruptRequest {
-                interrupt_id: interrupt.interrupt_id,
-                approved: false,
-                rejection_message: Some("no".into())
-            }
-        )
+        .resolve_interrupt("s1", answer(interrupt.interrupt_id, false, Some("no")))
         .await
         .unwrap());
     wait_for_turns(&sessions, "s1", 1).await;
@@ -972,14 +986,7 @@ async fn a_deadline_timer_that_fires_early_waits_again() {
     assert!(stack.invocations().is_empty());
     // It still waits for the answer, and applies it.
     assert!(sessions
-        .resolve_interrupt(
-            "s1",
-            ResolveInterruptRequest {
-                interrupt_id: interrupt.interrupt_id.clone(),
-                approved: true,
-                rejection_message: None
-            }
-        )
+        .resolve_interrupt("s1", answer(interrupt.interrupt_id.clone(), true, None))
         .await
         .unwrap());
     wait_for_agent_snapshot(&sessions, "s1", "the approved call", |s| {
@@ -996,10 +1003,7 @@ async fn approvals_expire_at_a_deadline_rounded_up_to_whole_seconds_on_the_store
     let sessions = stack.sessions("Expire");
     let before = stack.store.now().await.unwrap();
     sessions.start_session("s1", &turn(json!([{"tool_calls": [tool_call("c1", "echo", json!({}), "unclassified")]}, {"text": "done"}]))).await.unwrap();
-    let interrupt = wait_for_agent_snapshot(&sessions, "s1", "the approval", |s| {
-        s.pending_interrupts.first().cloned()
-    })
-    .await;
+    let interrupt = first_pending_interrupt(&sessions, "s1").await;
     let deadline = interrupt.deadline.expect("a deadline");
     assert_eq!(deadline % 1000, 0, "whole seconds");
     assert!(
@@ -1014,14 +1018,7 @@ async fn approvals_expire_at_a_deadline_rounded_up_to_whole_seconds_on_the_store
         "Tool call was rejected: the approval request expired before anyone answered it"
     );
     assert!(!sessions
-        .resolve_interrupt(
-            "s1",
-            ResolveInterruptRequest {
-                interrupt_id: interrupt.interrupt_id,
-                approved: true,
-                rejection_message: None
-            }
-        )
+        .resolve_interrupt("s1", answer(interrupt.interrupt_id, true, None))
         .await
         .unwrap());
     let events = all_events(&sessions, "s1").await;
@@ -1046,27 +1043,13 @@ async fn a_rejected_approval_records_rejected_and_resolve_interrupt_returns_fals
     let stack = started(vec![echo_agent("Reject")]).await;
     let sessions = stack.sessions("Reject");
     sessions.start_session("s1", &turn(json!([{"tool_calls": [tool_call("c1", "echo", json!({}), "non_idempotent_write")]}, {"text": "done"}]))).await.unwrap();
-    let interrupt = wait_for_agent_snapshot(&sessions, "s1", "the approval", |s| {
-        s.pending_interrupts.first().cloned()
-    })
-    .await;
+    let interrupt = first_pending_interrupt(&sessions, "s1").await;
     assert_eq!(interrupt.tool_call_id, "c1");
     assert!(!sessions
-        .resolve_interrupt(
-            "s1",
-            ResolveInterruptRequest {
-                interrupt_id: "turn-1/nope".into(),
-                approved: true,
-                rejection_message: None
-            }
-        )
+        .resolve_interrupt("s1", answer("turn-1/nope", true, None))
         .await
         .unwrap());
-    let reject = ResolveInterruptRequest {
-        interrupt_id: interrupt.interrupt_id.clone(),
-        approved: false,
-        rejection_message: Some("not today".into()),
-    };
+    let reject = answer(interrupt.interrupt_id.clone(), false, Some("not today"));
     assert!(sessions
         .resolve_interrupt("s1", reject.clone())
         .await
@@ -1094,19 +1077,9 @@ async fn resolve_interrupt_drops_the_rejection_message_on_approval() {
     let stack = started(vec![echo_agent("Approve")]).await;
     let sessions = stack.sessions("Approve");
     sessions.start_session("s1", &turn(json!([{"tool_calls": [tool_call("c1", "echo", json!({"ok": true}), "unclassified")]}, {"text": "done"}]))).await.unwrap();
-    let interrupt = wait_for_agent_snapshot(&sessions, "s1", "the approval", |s| {
-        s.pending_interrupts.first().cloned()
-    })
-    .await;
+    let interrupt = first_pending_interrupt(&sessions, "s1").await;
     assert!(sessions
-        .resolve_interrupt(
-            "s1",
-            ResolveInterruptRequest {
-                interrupt_id: interrupt.interrupt_id,
-                approved: true,
-                rejection_message: Some("ignored".into())
-            }
-        )
+        .resolve_interrupt("s1", answer(interrupt.interrupt_id, true, Some("ignored")))
         .await
         .unwrap());
     let snapshot = wait_for_turns(&sessions, "s1", 1).await;
@@ -1210,14 +1183,7 @@ async fn resolve_interrupt_retries_a_lock_conflict_until_the_step_holding_it_end
     let sessions = AgentSessionClient::new(client.clone(), "Agent");
     let started_at = Instant::now();
     let resolved = sessions
-        .resolve_interrupt(
-            "h1",
-            ResolveInterruptRequest {
-                interrupt_id: "turn-1/c1".into(),
-                approved: true,
-                rejection_message: None,
-            },
-        )
+        .resolve_interrupt("h1", answer("turn-1/c1", true, None))
         .await
         .unwrap();
     assert!(resolved);
@@ -1386,19 +1352,9 @@ async fn events_carry_turn_step_execution_and_attempt_and_every_event_type_appea
         {"text": "Hello there", "deltas": ["Hel", "lo there"]}
     ]));
     sessions.start_session("s1", &script).await.unwrap();
-    let interrupt = wait_for_agent_snapshot(&sessions, "s1", "the approval", |s| {
-        s.pending_interrupts.first().cloned()
-    })
-    .await;
+    let interrupt = first_pending_interrupt(&sessions, "s1").await;
     sessions
-        .resolve_interrupt(
-            "s1",
-            ResolveInterruptRequest {
-                interrupt_id: interrupt.interrupt_id,
-                approved: true,
-                rejection_message: None,
-            },
-        )
+        .resolve_interrupt("s1", answer(interrupt.interrupt_id, true, None))
         .await
         .unwrap();
     wait_for_turns(&sessions, "s1", 1).await;

@@ -239,15 +239,9 @@ pub enum ToolCallStatus {
 }
 
 impl ToolCallStatus {
+    /// The wire name; the one rendering the events factor uses too.
     pub fn as_str(self) -> &'static str {
-        match self {
-            ToolCallStatus::Pending => "pending",
-            ToolCallStatus::Approved => "approved",
-            ToolCallStatus::Succeeded => "succeeded",
-            ToolCallStatus::Failed => "failed",
-            ToolCallStatus::Rejected => "rejected",
-            ToolCallStatus::OutcomeUnknown => "outcome_unknown",
-        }
+        crate::plugin::factors::events::status_name(self.into())
     }
 
     pub fn is_final(self) -> bool {

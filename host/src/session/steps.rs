@@ -299,6 +299,16 @@ impl SessionSteps {
         Ok(records)
     }
 
+    /// The tool-call Step's id and record, unless the record is gone (the
+    /// turn ended) or already final.
+    async fn open_record(ctx: &StepContext) -> Result<Option<(String, AgentToolCall)>, StepError> {
+        let id = Self::tool_call_id(ctx)?;
+        Ok(Self::record(ctx, &id)
+            .await?
+            .filter(|record| !record.status.is_final())
+            .map(|record| (id, record)))
+    }
+
     fn tool_call_id(ctx: &StepContext) -> Result<String, StepError> {
         ctx.input().as_str().map(str::to_string).ok_or_else(|| {
             fatal(format!(
@@ -631,13 +641,10 @@ impl SessionSteps {
         self: Arc<Self>,
         ctx: StepContext,
     ) -> Result<StepResult, StepError> {
-        let id = Self::tool_call_id(&ctx)?;
-        let Some(mut record) = Self::record(&ctx, &id).await? else {
+        // A final (or cleared) record ends the Step without running it.
+        let Some((id, mut record)) = Self::open_record(&ctx).await? else {
             return Ok(StepResult::end());
         };
-        if record.status.is_final() {
-            return Ok(StepResult::end());
-        }
         let tag = Self::tag(&ctx, &record.turn_id);
         let interrupt = interrupt_id(&record.turn_id, &id);
         let resolved = |approved: bool, rejection: &Option<String>, expired: bool| {
@@ -696,13 +703,10 @@ impl SessionSteps {
 
     pub async fn call_tool(self: Arc<Self>, ctx: StepContext) -> Result<StepResult, StepError> {
         let components = self.components()?.clone();
-        let id = Self::tool_call_id(&ctx)?;
-        let Some(mut record) = Self::record(&ctx, &id).await? else {
+        // A final (or cleared) record ends the Step without running it.
+        let Some((id, mut record)) = Self::open_record(&ctx).await? else {
             return Ok(StepResult::end());
         };
-        if record.status.is_final() {
-            return Ok(StepResult::end());
-        }
         if record.status == ToolCallStatus::Pending {
             return Err(fatal(format!(
                 "tool call {id} runs only after it is approved"
@@ -775,13 +779,10 @@ impl SessionSteps {
         ctx: StepContext,
         always_unknown: bool,
     ) -> Result<StepResult, StepError> {
-        let id = Self::tool_call_id(&ctx)?;
-        let Some(mut record) = Self::record(&ctx, &id).await? else {
+        // A final (or cleared) record ends the Step without running it.
+        let Some((_, mut record)) = Self::open_record(&ctx).await? else {
             return Ok(StepResult::end());
         };
-        if record.status.is_final() {
-            return Ok(StepResult::end());
-        }
         let detail = ctx.failure().unwrap_or("the tool Step failed");
         record.status = if !always_unknown && record.effect == ToolEffect::Read {
             ToolCallStatus::Failed

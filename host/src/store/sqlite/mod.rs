@@ -576,20 +576,8 @@ impl FlowStore for SqliteStore {
     }
 
     async fn record_output(&self, task_id: i64, lease_token: i64) -> Result<(), StoreError> {
-        self.write_quietly(move |tx, _| {
-            let updated = cached_execute(
-                tx,
-                "UPDATE tasks SET output_recorded = 1
-                     WHERE task_id = ?1 AND lease_token = ?2 AND state = 'leased'",
-                params![task_id, lease_token],
-            )
-            .map_err(backend)?;
-            if updated == 0 {
-                return Err(StoreError::StaleLease { task_id });
-            }
-            Ok(())
-        })
-        .await
+        self.write_quietly(move |tx, _| state::record_output(tx, task_id, lease_token))
+            .await
     }
 
     async fn commit_step(&self, commit: StepCommit) -> Result<Vec<ClaimedTask>, StoreError> {
@@ -744,16 +732,7 @@ impl FlowStore for SqliteStore {
     ) -> Result<(), StoreError> {
         let (flow_id, stream) = (flow_id.to_string(), stream.to_string());
         self.write_quietly(move |tx, now| {
-            let updated = cached_execute(
-                tx,
-                "UPDATE tasks SET output_recorded = 1
-                     WHERE task_id = ?1 AND lease_token = ?2 AND state = 'leased'",
-                params![task_id, lease_token],
-            )
-            .map_err(backend)?;
-            if updated == 0 {
-                return Err(StoreError::StaleLease { task_id });
-            }
+            state::record_output(tx, task_id, lease_token)?;
             state::append_stream(tx, now, &flow_id, &stream, &payloads)?;
             Ok(())
         })

@@ -241,6 +241,25 @@ fn channel_messages(
         .collect()
 }
 
+/// Marks that the leased attempt produced output (fenced by its token).
+pub(super) fn record_output(
+    conn: &Connection,
+    task_id: i64,
+    lease_token: i64,
+) -> Result<(), StoreError> {
+    let updated = cached_execute(
+        conn,
+        "UPDATE tasks SET output_recorded = 1
+             WHERE task_id = ?1 AND lease_token = ?2 AND state = 'leased'",
+        params![task_id, lease_token],
+    )
+    .map_err(backend)?;
+    if updated == 0 {
+        return Err(StoreError::StaleLease { task_id });
+    }
+    Ok(())
+}
+
 /// Whether any task of `flow_types` could be claimed now (a cheap read that
 /// spares the writer the claims that would find nothing).
 pub(super) fn any_claimable(
