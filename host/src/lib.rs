@@ -6,9 +6,12 @@
 //! - [`store`]: the storage backends (embedded SQLite);
 //! - [`plugin`]: the wasmtime layer (engine, cache, sandboxed calls, grants);
 //! - [`session`]: AgentSessionFlow, the durable agent session, and its client;
+//! - [`config`]: `dexa.toml`, and the store, components and agents it
+//!   describes;
 //! - [`cli`]: the `dexa` command line.
 
 pub mod cli;
+pub mod config;
 pub mod flow;
 pub mod plugin;
 pub mod session;

@@ -5,6 +5,7 @@
 //!   guest sent, with the Step tags the host attached;
 //! - [`step_tag`]: a tag for a test call.
 
+pub mod kit;
 pub mod session;
 pub mod toy;
 

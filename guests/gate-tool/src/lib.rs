@@ -61,7 +61,9 @@ fn log_invocation(name: &str, key: &str) -> Result<(), ToolError> {
         .map_err(|err| {
             ToolError::Internal(format!("no gate directory granted at {ROOT}: {err}"))
         })?;
-    writeln!(log, "{name} {key}").map_err(|err| ToolError::Internal(err.to_string()))
+    // One write per line, so that concurrent calls do not interleave.
+    log.write_all(format!("{name} {key}\n").as_bytes())
+        .map_err(|err| ToolError::Internal(err.to_string()))
 }
 
 fn gate(args: GateArgs, key: &str) -> Result<String, ToolError> {

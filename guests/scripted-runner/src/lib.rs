@@ -25,7 +25,11 @@
 //! `"model_twice": true` (with `model`: calls the model a second time and
 //! appends that call's result to the answer, to test the host's one-call rule),
 //! `"run_state": "..."` (overrides the run state it returns, to test the host's
-//! checks). `effect` is the framework effect passed to `resolve-tool-policy`;
+//! checks), `"log": "name"` (appends `name <flow>/<turn>#<attempt>` to
+//! `/gates/invocations.log`, to count model calls across processes) and
+//! `"gate": "name"` (logs the same way, creates `/gates/<name>.reached` and
+//! waits up to 60 s for `/gates/<name>.release`; crash tests kill the worker
+//! there). Both need `/gates` granted. `effect` is the framework effect passed to `resolve-tool-policy`;
 //! a tool call's `"requires_approval"` overrides the policy it returned.
 //!
 //! The config key `user_role` makes `build-user-message` use another role, to
@@ -71,6 +75,8 @@ struct StepScript {
     #[serde(default)]
     heartbeat: bool,
     run_state: Option<String>,
+    log: Option<String>,
+    gate: Option<String>,
 }
 
 #[derive(Deserialize, Clone)]
@@ -164,6 +170,31 @@ fn turn_script(turn_id: &str, messages: &[AgentMessage]) -> Result<TurnScript, S
             ..StepScript::default()
         }],
     })
+}
+
+fn log_invocation(name: &str, call: &str) -> Result<(), String> {
+    use std::io::Write;
+    let mut log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open("/gates/invocations.log")
+        .map_err(|err| format!("no /gates directory granted: {err}"))?;
+    // One write per line, so that concurrent calls do not interleave.
+    log.write_all(format!("{name} {call}\n").as_bytes())
+        .map_err(|err| err.to_string())
+}
+
+fn gate(name: &str, call: &str) -> Result<(), String> {
+    log_invocation(name, call)?;
+    std::fs::write(format!("/gates/{name}.reached"), call).map_err(|err| err.to_string())?;
+    let started = std::time::Instant::now();
+    while !std::path::Path::new(&format!("/gates/{name}.release")).exists() {
+        if started.elapsed() > std::time::Duration::from_secs(60) {
+            return Err(format!("gate {name} was not released within 60 s"));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    Ok(())
 }
 
 fn record_item(record: &ToolCallRecord) -> Value {
@@ -360,6 +391,13 @@ impl Guest for ScriptedRunner {
 
         if step_script.heartbeat {
             step::heartbeat();
+        }
+        let call = format!("{}/{}#{}", turn.flow_id, turn.turn_id, turn.attempt);
+        if let Some(name) = &step_script.log {
+            log_invocation(name, &call)?;
+        }
+        if let Some(name) = &step_script.gate {
+            gate(name, &call)?;
         }
         if turn.attempt <= step_script.trap_attempts {
             panic!("scripted trap on attempt {}", turn.attempt);

@@ -3,6 +3,7 @@
 pub mod bench;
 pub mod bench_turn;
 pub mod demo;
+pub mod worker;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -36,6 +37,8 @@ pub enum Command {
     /// Run one session of the offline example agent (scripted runner, two
     /// tool components) on the embedded SQLite store.
     Demo(demo::DemoArgs),
+    /// Run the Steps of every agent in dexa.toml until stopped.
+    Worker(worker::WorkerArgs),
     /// Measure the engine (build with --release for real numbers).
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -131,6 +134,7 @@ fn component_name(path: &std::path::Path) -> String {
 pub async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Demo(args) => demo::run(args).await,
+        Command::Worker(args) => worker::run(args).await,
         Command::Component(ComponentCommand::Inspect(args)) => inspect(args).await,
         Command::Component(ComponentCommand::Call(args)) => call(args).await,
         Command::Bench(BenchCommand::Engine(args)) => bench::run(args).await,

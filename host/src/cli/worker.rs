@@ -1,0 +1,107 @@
+//! `dexa worker`: runs the Steps of every agent in `dexa.toml` until it is
+//! stopped (Ctrl-C or SIGTERM). Several workers, in one process or many,
+//! share one store.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use clap::Args;
+
+use crate::config::deploy::LoadProgress;
+use crate::config::{DexaConfig, Deployment, StoreUrl};
+use crate::flow::ClaimedTask;
+
+#[derive(Args, Debug)]
+pub struct WorkerArgs {
+    /// The config file.
+    #[arg(long, short, default_value = crate::config::DEFAULT_CONFIG_FILE, env = "DEXA_CONFIG")]
+    pub config: PathBuf,
+    /// Steps run at once (default: `[worker] slots`).
+    #[arg(long)]
+    pub slots: Option<usize>,
+    /// This worker's id; unique among live workers (default: from the pid).
+    #[arg(long)]
+    pub worker_id: Option<String>,
+    /// Fault injection for crash tests: abort the process, as a crash
+    /// would, right after the first commit of a Step of this type (before
+    /// the Step its commit leased to this worker starts).
+    #[arg(long, value_name = "STEP_TYPE")]
+    pub crash_after_commit: Option<String>,
+}
+
+/// Prints load progress on stderr: the first start compiles each component.
+pub fn print_progress(progress: LoadProgress) {
+    match progress {
+        LoadProgress::Loading {
+            component,
+            index,
+            total,
+        } => eprintln!("[{index}/{total}] loading {component}..."),
+        LoadProgress::Loaded {
+            component,
+            compiled,
+            millis,
+        } => eprintln!(
+            "      {component}: {} in {millis} ms",
+            if compiled { "compiled" } else { "from cache" }
+        ),
+    }
+}
+
+pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
+    let config = DexaConfig::load(&args.config)?;
+    if config.agents.is_empty() {
+        anyhow::bail!(config.error("there are no [agents.NAME] sections, so no work to do"));
+    }
+    let deployment = Deployment::for_workers(config, &print_progress).await?;
+    let mut options = deployment.config.worker.options();
+    if let Some(slots) = args.slots {
+        anyhow::ensure!(slots > 0, "--slots must be at least 1");
+        options.max_concurrent_tasks = slots;
+    }
+    if let Some(id) = args.worker_id {
+        options.worker_id = id;
+    }
+    if let Some(step_type) = args.crash_after_commit {
+        eprintln!("fault injection: this worker aborts after its first {step_type} commit");
+        options.on_step_committed = Some(Arc::new(move |task: &ClaimedTask, _| {
+            if task.step_type == step_type {
+                eprintln!(
+                    "fault injection: aborting after committing {} of {}",
+                    task.step_type, task.flow_id
+                );
+                std::process::abort();
+            }
+        }));
+    }
+    let StoreUrl::Sqlite(store) = &deployment.config.store;
+    let agents: Vec<&String> = deployment.config.agents.keys().collect();
+    eprintln!(
+        "worker {} ready: {} slots, agents {agents:?}, store {}",
+        options.worker_id,
+        options.max_concurrent_tasks,
+        store.display()
+    );
+    deployment.worker_with(options).run(shutdown_signal()).await;
+    eprintln!("worker stopped; Steps it was running are delivered again when their leases run out");
+    Ok(())
+}
+
+/// Ctrl-C or SIGTERM.
+async fn shutdown_signal() {
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(err) => {
+                tracing::warn!(error = %err, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await
+            }
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = terminate => {}
+    }
+}

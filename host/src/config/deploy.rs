@@ -1,0 +1,303 @@
+//! Turns a [`DexaConfig`] into what runs: the store, the loaded components
+//! and one AgentSessionFlow per agent.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::Context;
+use serde::Deserialize;
+
+use super::{ComponentConfig, ComponentRole, DexaConfig, ModelConfig, StoreUrl};
+use crate::flow::{FlowClient, FlowStore, Registry, Worker, WorkerOptions};
+use crate::plugin::wit::{MessageRole, ModelMessage, ModelResponse, ModelToolCall, Usage};
+use crate::plugin::{
+    CacheOutcome, ComponentSettings, Grants, ModelProvider, RunnerComponent, SandboxConfig,
+    SandboxEngine, ScriptedModelProvider, ToolComponent,
+};
+use crate::session::{AgentComponents, AgentSessionClient, AgentSessionFlow};
+use crate::store::sqlite::SqliteStore;
+
+/// What loading reports, so a first start that compiles shows progress.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LoadProgress {
+    Loading {
+        component: String,
+        index: usize,
+        total: usize,
+    },
+    Loaded {
+        component: String,
+        /// Whether it was compiled now or read from the cache.
+        compiled: bool,
+        millis: u128,
+    },
+}
+
+/// A store and a registry of the configured agents.
+pub struct Deployment {
+    pub config: DexaConfig,
+    pub store: Arc<dyn FlowStore>,
+    pub registry: Arc<Registry>,
+}
+
+impl Deployment {
+    /// Everything a worker needs: every component an agent uses is loaded
+    /// (compiled on first use, then read from the cache).
+    pub async fn for_workers(
+        config: DexaConfig,
+        progress: &(dyn Fn(LoadProgress) + Sync),
+    ) -> anyhow::Result<Self> {
+        let store = open_store(&config)?;
+        let engine = SandboxEngine::new(SandboxConfig {
+            cache_dir: Some(config.cache_dir.clone()),
+            ..SandboxConfig::default()
+        })?;
+        let used: Vec<&ComponentConfig> = config
+            .components
+            .values()
+            .filter(|c| {
+                config
+                    .agents
+                    .values()
+                    .any(|a| a.runner == c.name || a.tools.contains(&c.name))
+            })
+            .collect();
+        let mut runners: BTreeMap<String, Arc<RunnerComponent>> = BTreeMap::new();
+        let mut tools: BTreeMap<String, Arc<ToolComponent>> = BTreeMap::new();
+        for (index, component) in used.iter().enumerate() {
+            progress(LoadProgress::Loading {
+                component: component.name.clone(),
+                index: index + 1,
+                total: used.len(),
+            });
+            let started = Instant::now();
+            let settings = settings(&config, component)?;
+            let cache = match component.role {
+                ComponentRole::Runner => {
+                    let runner = engine
+                        .load_runner_file(&component.path, settings)
+                        .with_context(|| format!("component {:?}", component.name))?;
+                    let cache = runner.info().cache;
+                    runners.insert(component.name.clone(), Arc::new(runner));
+                    cache
+                }
+                ComponentRole::Tool => {
+                    let tool = engine
+                        .load_tool_file(&component.path, settings)
+                        .await
+                        .with_context(|| format!("component {:?}", component.name))?;
+                    let cache = tool.info().cache;
+                    tools.insert(component.name.clone(), Arc::new(tool));
+                    cache
+                }
+            };
+            progress(LoadProgress::Loaded {
+                component: component.name.clone(),
+                compiled: !matches!(cache, CacheOutcome::Hit),
+                millis: started.elapsed().as_millis(),
+            });
+        }
+        let mut models: BTreeMap<String, Arc<dyn ModelProvider>> = BTreeMap::new();
+        for (name, model) in &config.models {
+            models.insert(name.clone(), model_provider(&config, name, model)?);
+        }
+        let mut flows = Vec::new();
+        for agent in config.agents.values() {
+            let runner = runners
+                .get(&agent.runner)
+                .cloned()
+                .with_context(|| format!("agent {:?}: runner not loaded", agent.name))?;
+            let agent_tools = agent
+                .tools
+                .iter()
+                .map(|name| {
+                    tools
+                        .get(name)
+                        .cloned()
+                        .with_context(|| format!("agent {:?}: tool {name:?} not loaded", agent.name))
+                })
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            let mut components = AgentComponents::new(runner, agent_tools)
+                .map_err(|err| config.error(format!("agent {:?}: {err}", agent.name)))?;
+            if let Some(model) = agent.model.as_ref().and_then(|m| models.get(m)) {
+                components = components.with_model(model.clone());
+            }
+            flows.push(AgentSessionFlow::new(
+                agent.name.clone(),
+                components,
+                agent.options.clone(),
+            ));
+        }
+        let registry = Arc::new(Registry::new(flows.iter().map(AgentSessionFlow::definition))?);
+        Ok(Self {
+            config,
+            store,
+            registry,
+        })
+    }
+
+    /// What a client needs: the store and the agents' flow types, with no
+    /// component loaded (their Steps refuse to run here).
+    pub fn for_clients(config: DexaConfig) -> anyhow::Result<Self> {
+        let store = open_store(&config)?;
+        let flows: Vec<AgentSessionFlow> = config
+            .agents
+            .values()
+            .map(|agent| AgentSessionFlow::for_clients(agent.name.clone(), agent.options.clone()))
+            .collect();
+        let registry = Arc::new(Registry::new(flows.iter().map(AgentSessionFlow::definition))?);
+        Ok(Self {
+            config,
+            store,
+            registry,
+        })
+    }
+
+    /// The session client of `agent`.
+    pub fn sessions(&self, agent: &str) -> anyhow::Result<AgentSessionClient> {
+        if !self.config.agents.contains_key(agent) {
+            let known: Vec<&String> = self.config.agents.keys().collect();
+            anyhow::bail!(self.config.error(format!(
+                "there is no agent {agent:?}; the agents are {known:?}"
+            )));
+        }
+        Ok(AgentSessionClient::new(
+            FlowClient::new(self.store.clone(), self.registry.clone()),
+            agent,
+        ))
+    }
+
+    /// A worker for every agent, with the `[worker]` settings.
+    pub fn worker(&self) -> Worker {
+        self.worker_with(self.config.worker.options())
+    }
+
+    pub fn worker_with(&self, options: WorkerOptions) -> Worker {
+        Worker::new(self.store.clone(), self.registry.clone(), options)
+    }
+}
+
+fn open_store(config: &DexaConfig) -> anyhow::Result<Arc<dyn FlowStore>> {
+    match &config.store {
+        StoreUrl::Sqlite(path) => {
+            let store = SqliteStore::open(path, Default::default())
+                .with_context(|| format!("cannot open the SQLite store {}", path.display()))?;
+            Ok(Arc::new(store))
+        }
+    }
+}
+
+fn settings(config: &DexaConfig, component: &ComponentConfig) -> anyhow::Result<ComponentSettings> {
+    let mut grants = Grants::none();
+    grants.dirs = component.dirs.clone();
+    for name in &component.env {
+        let value = std::env::var(name).map_err(|_| {
+            config.error(format!(
+                "component {:?} is granted the environment variable {name}, which is not set",
+                component.name
+            ))
+        })?;
+        grants = grants.env(name.clone(), value);
+    }
+    grants
+        .validate()
+        .map_err(|err| config.error(format!("component {:?}: {err}", component.name)))?;
+    Ok(ComponentSettings::named(component.name.clone())
+        .with_grants(grants)
+        .with_config(component.config.clone()))
+}
+
+/// One response of a scripted model's file.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ScriptedResponse {
+    #[serde(default)]
+    text: Option<String>,
+    #[serde(default)]
+    tool_calls: Vec<ScriptedToolCall>,
+    #[serde(default)]
+    usage: ScriptedUsage,
+    #[serde(default)]
+    finish_reason: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ScriptedToolCall {
+    id: String,
+    name: String,
+    #[serde(default)]
+    arguments: serde_json::Value,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct ScriptedUsage {
+    #[serde(default)]
+    input: u64,
+    #[serde(default)]
+    output: u64,
+}
+
+fn model_provider(
+    config: &DexaConfig,
+    name: &str,
+    model: &ModelConfig,
+) -> anyhow::Result<Arc<dyn ModelProvider>> {
+    match model {
+        ModelConfig::Scripted { responses } => {
+            let text = std::fs::read_to_string(responses).map_err(|err| {
+                config.error(format!(
+                    "model {name:?}: cannot read {}: {err}",
+                    responses.display()
+                ))
+            })?;
+            let scripted: Vec<ScriptedResponse> = serde_json::from_str(&text).map_err(|err| {
+                config.error(format!(
+                    "model {name:?}: {} is not a JSON list of responses: {err}",
+                    responses.display()
+                ))
+            })?;
+            Ok(Arc::new(ScriptedModelProvider::new(
+                scripted.into_iter().map(into_response),
+            )))
+        }
+    }
+}
+
+fn into_response(scripted: ScriptedResponse) -> ModelResponse {
+    let finish_reason = scripted.finish_reason.unwrap_or_else(|| {
+        if scripted.tool_calls.is_empty() {
+            "stop".to_string()
+        } else {
+            "tool_calls".to_string()
+        }
+    });
+    ModelResponse {
+        message: ModelMessage {
+            role: MessageRole::Assistant,
+            content: scripted.text,
+            tool_calls: scripted
+                .tool_calls
+                .into_iter()
+                .map(|call| ModelToolCall {
+                    id: call.id,
+                    name: call.name,
+                    arguments: match call.arguments {
+                        serde_json::Value::String(text) => text,
+                        serde_json::Value::Null => "{}".to_string(),
+                        other => other.to_string(),
+                    },
+                })
+                .collect(),
+            tool_call_id: None,
+        },
+        usage: Usage {
+            input_tokens: scripted.usage.input,
+            output_tokens: scripted.usage.output,
+            total_tokens: scripted.usage.input + scripted.usage.output,
+        },
+        finish_reason,
+    }
+}

@@ -1,0 +1,687 @@
+//! `dexa.toml`: where the store is, which components exist and what they may
+//! reach, and which agents run them. Parsing checks everything that can be
+//! checked without loading a component, and every error names the file and
+//! the line.
+//!
+//! ```toml
+//! store = "sqlite:.dexa/dexa.sqlite"      # the default
+//! cache_dir = ".dexa/cache/components"    # the default
+//!
+//! [worker]
+//! slots = 32
+//! lease = "10s"
+//!
+//! [components.ledger-tool]
+//! path = "target/guests/ledger-tool.wasm"
+//! dirs = [{ host = ".dexa/ledger", guest = "/ledger", access = "read_write" }]
+//! env = ["LEDGER_CURRENCY"]
+//! config = { currency = "EUR" }
+//!
+//! [models.replay]
+//! provider = "scripted"
+//! responses = "responses.json"
+//!
+//! [agents.Bookkeeper]
+//! runner = "scripted-runner"
+//! tools = ["ledger-tool"]
+//! model = "replay"
+//! tool_policies = { record_payment = { effect = "idempotent_write" } }
+//! ```
+//!
+//! Relative paths are relative to the directory of the config file.
+
+pub mod deploy;
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+use toml::Spanned;
+
+use crate::flow::WorkerOptions;
+use crate::plugin::{DirAccess, DirGrant};
+use crate::session::{AgentSessionOptions, ToolEffect, ToolPolicy};
+
+pub use deploy::Deployment;
+
+/// The file `dexa` reads when none is given.
+pub const DEFAULT_CONFIG_FILE: &str = "dexa.toml";
+
+/// A config problem, with where it is.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{}{}: {message}", file.display(), line.map(|l| format!(":{l}:{}", column.unwrap_or(1))).unwrap_or_default())]
+pub struct ConfigError {
+    pub file: PathBuf,
+    /// One-based; none when the problem is not in the text (a missing file).
+    pub line: Option<usize>,
+    pub column: Option<usize>,
+    pub message: String,
+}
+
+/// The parsed configuration, with paths resolved.
+#[derive(Debug, Clone)]
+pub struct DexaConfig {
+    pub file: PathBuf,
+    pub store: StoreUrl,
+    pub cache_dir: PathBuf,
+    pub worker: WorkerConfig,
+    pub components: BTreeMap<String, ComponentConfig>,
+    pub models: BTreeMap<String, ModelConfig>,
+    pub agents: BTreeMap<String, AgentConfig>,
+}
+
+/// Where the flows are stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreUrl {
+    Sqlite(PathBuf),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerConfig {
+    pub slots: usize,
+    pub lease: Duration,
+    pub poll_interval: Duration,
+    pub reap_interval: Duration,
+}
+
+impl WorkerConfig {
+    pub fn options(&self) -> WorkerOptions {
+        WorkerOptions {
+            max_concurrent_tasks: self.slots,
+            lease: self.lease,
+            poll_interval: self.poll_interval,
+            reap_interval: self.reap_interval,
+            ..WorkerOptions::default()
+        }
+    }
+}
+
+/// Whether a component is an agent's runner or one of its tool components;
+/// known from how the agents use it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ComponentRole {
+    Runner,
+    Tool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ComponentConfig {
+    pub name: String,
+    pub path: PathBuf,
+    pub role: ComponentRole,
+    pub dirs: Vec<DirGrant>,
+    /// Names of host environment variables the component may read.
+    pub env: Vec<String>,
+    pub config: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ModelConfig {
+    /// Replays the responses in a JSON file, in order. For tests and offline
+    /// demos; it never contacts a model.
+    Scripted { responses: PathBuf },
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct AgentConfig {
+    /// The flow type of the agent's sessions.
+    pub name: String,
+    pub runner: String,
+    pub tools: Vec<String>,
+    pub model: Option<String>,
+    pub options: AgentSessionOptions,
+}
+
+// ---- the file's shape -------------------------------------------------------
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    store: Option<Spanned<String>>,
+    cache_dir: Option<String>,
+    #[serde(default)]
+    worker: RawWorker,
+    #[serde(default)]
+    components: BTreeMap<String, Spanned<RawComponent>>,
+    #[serde(default)]
+    models: BTreeMap<String, Spanned<RawModel>>,
+    #[serde(default)]
+    agents: BTreeMap<String, Spanned<RawAgent>>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawWorker {
+    slots: Option<Spanned<usize>>,
+    lease: Option<Spanned<String>>,
+    poll_interval: Option<Spanned<String>>,
+    reap_interval: Option<Spanned<String>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawComponent {
+    path: Spanned<String>,
+    #[serde(default)]
+    dirs: Vec<Spanned<RawDir>>,
+    #[serde(default)]
+    env: Vec<Spanned<String>>,
+    #[serde(default)]
+    config: BTreeMap<String, String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawDir {
+    host: String,
+    guest: String,
+    #[serde(default = "read_only")]
+    access: DirAccess,
+}
+
+fn read_only() -> DirAccess {
+    DirAccess::ReadOnly
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, tag = "provider", rename_all = "snake_case")]
+enum RawModel {
+    Scripted { responses: String },
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawAgent {
+    runner: Spanned<String>,
+    #[serde(default)]
+    tools: Vec<Spanned<String>>,
+    model: Option<Spanned<String>>,
+    #[serde(default)]
+    tool_policies: BTreeMap<String, ToolPolicy>,
+    default_effect: Option<ToolEffect>,
+    interrupt_deadline: Option<Spanned<String>>,
+    events_capacity: Option<Spanned<u64>>,
+    tool_attempt_timeout: Option<Spanned<String>>,
+}
+
+// ---- parsing ------------------------------------------------------------------
+
+impl DexaConfig {
+    /// Reads and checks `file`.
+    pub fn load(file: impl AsRef<Path>) -> Result<Self, ConfigError> {
+        let file = file.as_ref();
+        let text = std::fs::read_to_string(file).map_err(|err| ConfigError {
+            file: file.to_path_buf(),
+            line: None,
+            column: None,
+            message: format!("cannot read the config file: {err}"),
+        })?;
+        Self::parse(file, &text)
+    }
+
+    /// Checks `text` as the contents of `file` (which anchors relative paths).
+    pub fn parse(file: impl AsRef<Path>, text: &str) -> Result<Self, ConfigError> {
+        let file = file.as_ref();
+        let base = file
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."))
+            .to_path_buf();
+        let at = |span: Range<usize>, message: String| locate(file, text, span, message);
+        let raw: RawConfig = toml::from_str(text).map_err(|err| {
+            at(
+                err.span().unwrap_or(0..0),
+                err.message().trim().to_string(),
+            )
+        })?;
+        let resolve = |path: &str| -> PathBuf {
+            let path = Path::new(path);
+            if path.is_absolute() {
+                path.to_path_buf()
+            } else {
+                base.join(path)
+            }
+        };
+        let duration = |value: &Spanned<String>, what: &str| -> Result<Duration, ConfigError> {
+            humantime::parse_duration(value.get_ref()).map_err(|err| {
+                at(
+                    value.span(),
+                    format!(
+                        "{what}: {:?} is not a duration like \"30s\" or \"5m\": {err}",
+                        value.get_ref()
+                    ),
+                )
+            })
+        };
+
+        let store = match &raw.store {
+            None => StoreUrl::Sqlite(base.join(".dexa").join("dexa.sqlite")),
+            Some(url) => parse_store_url(url.get_ref())
+                .map(|path| StoreUrl::Sqlite(resolve(&path)))
+                .map_err(|message| at(url.span(), message))?,
+        };
+        let cache_dir = resolve(raw.cache_dir.as_deref().unwrap_or(".dexa/cache/components"));
+
+        let defaults = WorkerOptions::default();
+        let worker = WorkerConfig {
+            slots: match &raw.worker.slots {
+                Some(slots) if *slots.get_ref() == 0 => {
+                    return Err(at(slots.span(), "worker.slots must be at least 1".into()))
+                }
+                Some(slots) => *slots.get_ref(),
+                None => defaults.max_concurrent_tasks,
+            },
+            lease: positive(&raw.worker.lease, "worker.lease", defaults.lease, &duration, &at)?,
+            poll_interval: positive(
+                &raw.worker.poll_interval,
+                "worker.poll_interval",
+                defaults.poll_interval,
+                &duration,
+                &at,
+            )?,
+            reap_interval: positive(
+                &raw.worker.reap_interval,
+                "worker.reap_interval",
+                defaults.reap_interval,
+                &duration,
+                &at,
+            )?,
+        };
+
+        // Roles come from the agents; a component used both ways is refused.
+        let mut roles: BTreeMap<&str, (ComponentRole, Range<usize>)> = BTreeMap::new();
+        let mut claim = |name: &Spanned<String>, role: ComponentRole| -> Result<(), ConfigError> {
+            if !raw.components.contains_key(name.get_ref().as_str()) {
+                return Err(at(
+                    name.span(),
+                    format!(
+                        "there is no component {:?}; the components are {}",
+                        name.get_ref(),
+                        names(raw.components.keys())
+                    ),
+                ));
+            }
+            match roles.get(name.get_ref().as_str()) {
+                Some((existing, _)) if *existing != role => Err(at(
+                    name.span(),
+                    format!(
+                        "component {:?} is used both as a runner and as a tool component",
+                        name.get_ref()
+                    ),
+                )),
+                _ => {
+                    roles.insert(
+                        raw.components
+                            .get_key_value(name.get_ref().as_str())
+                            .map(|(k, _)| k.as_str())
+                            .unwrap_or_default(),
+                        (role, name.span()),
+                    );
+                    Ok(())
+                }
+            }
+        };
+        for agent in raw.agents.values() {
+            let agent = agent.get_ref();
+            claim(&agent.runner, ComponentRole::Runner)?;
+            for tool in &agent.tools {
+                claim(tool, ComponentRole::Tool)?;
+            }
+        }
+
+        let mut components = BTreeMap::new();
+        for (name, component) in &raw.components {
+            check_name(name, "component").map_err(|m| at(component.span(), m))?;
+            let raw_component = component.get_ref();
+            let mut dirs = Vec::new();
+            for dir in &raw_component.dirs {
+                let grant = dir.get_ref();
+                if !grant.guest.starts_with('/') {
+                    return Err(at(
+                        dir.span(),
+                        format!("guest path {:?} must be absolute", grant.guest),
+                    ));
+                }
+                if dirs.iter().any(|d: &DirGrant| d.guest_path == grant.guest) {
+                    return Err(at(
+                        dir.span(),
+                        format!("guest path {:?} is granted twice", grant.guest),
+                    ));
+                }
+                dirs.push(DirGrant {
+                    host_path: resolve(&grant.host),
+                    guest_path: grant.guest.clone(),
+                    access: grant.access,
+                });
+            }
+            for var in &raw_component.env {
+                if var.get_ref().is_empty() || var.get_ref().contains('=') {
+                    return Err(at(
+                        var.span(),
+                        format!("environment variable name {:?} is invalid", var.get_ref()),
+                    ));
+                }
+            }
+            components.insert(
+                name.clone(),
+                ComponentConfig {
+                    name: name.clone(),
+                    path: resolve(raw_component.path.get_ref()),
+                    // A component no agent uses is checked as a tool.
+                    role: roles
+                        .get(name.as_str())
+                        .map(|(role, _)| *role)
+                        .unwrap_or(ComponentRole::Tool),
+                    dirs,
+                    env: raw_component
+                        .env
+                        .iter()
+                        .map(|v| v.get_ref().clone())
+                        .collect(),
+                    config: raw_component.config.clone(),
+                },
+            );
+        }
+
+        let mut models = BTreeMap::new();
+        for (name, model) in &raw.models {
+            check_name(name, "model").map_err(|m| at(model.span(), m))?;
+            let config = match model.get_ref() {
+                RawModel::Scripted { responses } => ModelConfig::Scripted {
+                    responses: resolve(responses),
+                },
+            };
+            models.insert(name.clone(), config);
+        }
+
+        let mut agents = BTreeMap::new();
+        for (name, agent) in &raw.agents {
+            check_name(name, "agent").map_err(|m| at(agent.span(), m))?;
+            let raw_agent = agent.get_ref();
+            if let Some(model) = &raw_agent.model {
+                if !raw.models.contains_key(model.get_ref().as_str()) {
+                    return Err(at(
+                        model.span(),
+                        format!(
+                            "there is no model {:?}; the models are {}",
+                            model.get_ref(),
+                            names(raw.models.keys())
+                        ),
+                    ));
+                }
+            }
+            let mut seen = std::collections::BTreeSet::new();
+            for tool in &raw_agent.tools {
+                if !seen.insert(tool.get_ref().as_str()) {
+                    return Err(at(
+                        tool.span(),
+                        format!("tool component {:?} is listed twice", tool.get_ref()),
+                    ));
+                }
+            }
+            let mut options = AgentSessionOptions {
+                tool_policies: raw_agent.tool_policies.clone(),
+                ..AgentSessionOptions::default()
+            };
+            if let Some(effect) = raw_agent.default_effect {
+                options.default_tool_effect = effect;
+            }
+            if let Some(deadline) = &raw_agent.interrupt_deadline {
+                options.interrupt_deadline = Some(duration(deadline, "interrupt_deadline")?);
+            }
+            if let Some(capacity) = &raw_agent.events_capacity {
+                if *capacity.get_ref() == 0 {
+                    return Err(at(
+                        capacity.span(),
+                        "events_capacity must be at least 1 byte".into(),
+                    ));
+                }
+                options.events_capacity = *capacity.get_ref();
+            }
+            if let Some(timeout) = &raw_agent.tool_attempt_timeout {
+                let timeout = duration(timeout, "tool_attempt_timeout")?;
+                options.tool_attempt_timeout = timeout;
+            }
+            agents.insert(
+                name.clone(),
+                AgentConfig {
+                    name: name.clone(),
+                    runner: raw_agent.runner.get_ref().clone(),
+                    tools: raw_agent
+                        .tools
+                        .iter()
+                        .map(|t| t.get_ref().clone())
+                        .collect(),
+                    model: raw_agent.model.as_ref().map(|m| m.get_ref().clone()),
+                    options,
+                },
+            );
+        }
+
+        Ok(Self {
+            file: file.to_path_buf(),
+            store,
+            cache_dir,
+            worker,
+            components,
+            models,
+            agents,
+        })
+    }
+
+    /// An error about this file with no line (found after parsing).
+    pub fn error(&self, message: impl Into<String>) -> ConfigError {
+        ConfigError {
+            file: self.file.clone(),
+            line: None,
+            column: None,
+            message: message.into(),
+        }
+    }
+}
+
+fn positive(
+    value: &Option<Spanned<String>>,
+    what: &str,
+    default: Duration,
+    duration: &dyn Fn(&Spanned<String>, &str) -> Result<Duration, ConfigError>,
+    at: &dyn Fn(Range<usize>, String) -> ConfigError,
+) -> Result<Duration, ConfigError> {
+    let Some(value) = value else {
+        return Ok(default);
+    };
+    let parsed = duration(value, what)?;
+    if parsed.is_zero() {
+        return Err(at(value.span(), format!("{what} must be longer than 0")));
+    }
+    Ok(parsed)
+}
+
+/// `sqlite:PATH`, `sqlite://PATH` or a bare path.
+fn parse_store_url(url: &str) -> Result<String, String> {
+    let path = if let Some(rest) = url.strip_prefix("sqlite://") {
+        rest
+    } else if let Some(rest) = url.strip_prefix("sqlite:") {
+        rest
+    } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        return Err("this build of dexa has no PostgreSQL store; use sqlite:PATH".to_string());
+    } else if url.contains("://") {
+        return Err(format!(
+            "store {url:?}: unknown scheme; use sqlite:PATH (for example sqlite:.dexa/dexa.sqlite)"
+        ));
+    } else {
+        url
+    };
+    if path.is_empty() {
+        return Err("store: the SQLite path is empty".to_string());
+    }
+    Ok(path.to_string())
+}
+
+fn check_name(name: &str, what: &str) -> Result<(), String> {
+    if name.is_empty()
+        || !name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.')
+    {
+        return Err(format!(
+            "{what} name {name:?} may use only letters, digits, '-', '_' and '.'"
+        ));
+    }
+    Ok(())
+}
+
+fn names<'a>(keys: impl Iterator<Item = &'a String>) -> String {
+    let list: Vec<String> = keys.map(|k| format!("{k:?}")).collect();
+    if list.is_empty() {
+        "none".to_string()
+    } else {
+        list.join(", ")
+    }
+}
+
+/// Turns a byte span into a one-based line and column.
+fn locate(file: &Path, text: &str, span: Range<usize>, message: String) -> ConfigError {
+    let offset = span.start.min(text.len());
+    let before = &text[..text.floor_char_boundary(offset)];
+    let line = before.matches('\n').count() + 1;
+    let column = before
+        .rfind('\n')
+        .map(|nl| before[nl + 1..].chars().count() + 1)
+        .unwrap_or_else(|| before.chars().count() + 1);
+    ConfigError {
+        file: file.to_path_buf(),
+        line: Some(line),
+        column: Some(column),
+        message,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<DexaConfig, ConfigError> {
+        DexaConfig::parse("/srv/agents/dexa.toml", text)
+    }
+
+    const GOOD: &str = r#"
+store = "sqlite:data/dexa.sqlite"
+
+[worker]
+slots = 4
+lease = "2s"
+
+[components.runner]
+path = "guests/runner.wasm"
+config = { greeting = "hi" }
+
+[components.ledger]
+path = "/opt/ledger.wasm"
+dirs = [{ host = "ledger", guest = "/ledger", access = "read_write" }]
+env = ["CURRENCY"]
+
+[models.replay]
+provider = "scripted"
+responses = "replay.json"
+
+[agents.Bookkeeper]
+runner = "runner"
+tools = ["ledger"]
+model = "replay"
+default_effect = "read"
+interrupt_deadline = "1h"
+tool_policies = { pay = { effect = "non_idempotent_write", requires_approval = false } }
+"#;
+
+    #[test]
+    fn a_good_config_resolves_paths_against_its_directory() {
+        let config = parse(GOOD).unwrap_or_else(|err| panic!("{err}"));
+        assert_eq!(
+            config.store,
+            StoreUrl::Sqlite("/srv/agents/data/dexa.sqlite".into())
+        );
+        assert_eq!(
+            config.cache_dir,
+            PathBuf::from("/srv/agents/.dexa/cache/components")
+        );
+        assert_eq!(config.worker.slots, 4);
+        assert_eq!(config.worker.lease, Duration::from_secs(2));
+        let ledger = &config.components["ledger"];
+        assert_eq!(ledger.role, ComponentRole::Tool);
+        assert_eq!(ledger.path, PathBuf::from("/opt/ledger.wasm"));
+        assert_eq!(ledger.dirs[0].host_path, PathBuf::from("/srv/agents/ledger"));
+        assert_eq!(ledger.dirs[0].access, DirAccess::ReadWrite);
+        assert_eq!(ledger.env, vec!["CURRENCY".to_string()]);
+        assert_eq!(config.components["runner"].role, ComponentRole::Runner);
+        let agent = &config.agents["Bookkeeper"];
+        assert_eq!(agent.options.default_tool_effect, ToolEffect::Read);
+        assert_eq!(
+            agent.options.interrupt_deadline,
+            Some(Duration::from_secs(3600))
+        );
+        assert_eq!(
+            agent.options.tool_policies["pay"],
+            ToolPolicy::new(ToolEffect::NonIdempotentWrite).requires_approval(false)
+        );
+        assert_eq!(agent.model.as_deref(), Some("replay"));
+    }
+
+    #[test]
+    fn an_empty_config_has_defaults() {
+        let config = parse("").unwrap_or_else(|err| panic!("{err}"));
+        assert_eq!(
+            config.store,
+            StoreUrl::Sqlite("/srv/agents/.dexa/dexa.sqlite".into())
+        );
+        assert!(config.agents.is_empty());
+        assert_eq!(config.worker.slots, WorkerOptions::default().max_concurrent_tasks);
+    }
+
+    /// Each bad config names the file, the line and the problem.
+    #[test]
+    fn bad_configs_name_the_file_the_line_and_the_problem() {
+        let cases: &[(&str, usize, &str)] = &[
+            ("[agents.A]\nrunner = \"nope\"\n", 2, "there is no component \"nope\""),
+            ("store = \"postgres://db\"\n", 1, "no PostgreSQL store"),
+            ("store = \"mysql://db\"\n", 1, "unknown scheme"),
+            ("[worker]\nslots = 0\n", 2, "at least 1"),
+            ("[worker]\n\nlease = \"soon\"\n", 3, "not a duration"),
+            ("[worker]\nlease = \"0s\"\n", 2, "longer than 0"),
+            ("colour = \"blue\"\n", 1, "unknown field `colour`"),
+            ("[components.a]\npath = \"a.wasm\"\ndirs = [{ host = \"x\", guest = \"rel\" }]\n", 3, "must be absolute"),
+            ("[components.a]\npath = 3\n", 2, "invalid type"),
+            ("[components.a]\npath = \"a.wasm\"\n[agents.A]\nrunner = \"a\"\ntools = [\"a\"]\n", 5, "both as a runner and as a tool"),
+            ("[components.r]\npath = \"r.wasm\"\n[agents.A]\nrunner = \"r\"\nmodel = \"gpt\"\n", 5, "there is no model \"gpt\""),
+            ("[models.m]\nprovider = \"telepathy\"\n", 2, "unknown variant `telepathy`"),
+            ("[components.r]\npath = \"r.wasm\"\n[agents.A]\nrunner = \"r\"\ndefault_effect = \"maybe\"\n", 5, "unknown variant `maybe`"),
+            ("[components.r]\npath = \"r.wasm\"\n[agents.A]\nrunner = \"r\"\nevents_capacity = 0\n", 5, "at least 1 byte"),
+            ("[agents.A\n", 1, ""),
+        ];
+        for (text, line, needle) in cases {
+            let err = match parse(text) {
+                Ok(_) => panic!("accepted:\n{text}"),
+                Err(err) => err,
+            };
+            assert_eq!(err.file, PathBuf::from("/srv/agents/dexa.toml"), "{text}");
+            assert_eq!(err.line, Some(*line), "{text}\n=> {err}");
+            assert!(err.message.contains(needle), "{text}\n=> {err}");
+            let shown = err.to_string();
+            assert!(
+                shown.starts_with(&format!("/srv/agents/dexa.toml:{line}:")),
+                "{shown}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_missing_file_is_named() {
+        let err = match DexaConfig::load("/nonexistent/dexa.toml") {
+            Ok(_) => panic!("loaded a missing file"),
+            Err(err) => err,
+        };
+        assert!(err.to_string().starts_with("/nonexistent/dexa.toml: cannot read"), "{err}");
+    }
+}
