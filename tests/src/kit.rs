@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use dexa::config::{DexaConfig, Deployment};
+use dexa::config::{Deployment, DexaConfig};
 use dexa::flow::StepHistoryEntry;
 use dexa::session::{AgentSessionClient, ToolEffect};
 use serde_json::{json, Value};
@@ -77,7 +77,12 @@ impl KitAgent {
         self
     }
 
-    pub fn policy(mut self, tool: &str, effect: ToolEffect, requires_approval: Option<bool>) -> Self {
+    pub fn policy(
+        mut self,
+        tool: &str,
+        effect: ToolEffect,
+        requires_approval: Option<bool>,
+    ) -> Self {
         self.policies
             .push((tool.to_string(), effect, requires_approval));
         self

@@ -4,8 +4,8 @@
 
 use dexa::flow::{history, StepHistoryEntry};
 use dexa::session::{
-    event_type, step, AgentSnapshot, MessageRole, ResolveInterruptRequest,
-    ToolCallStatus, ToolEffect,
+    event_type, step, AgentSnapshot, MessageRole, ResolveInterruptRequest, ToolCallStatus,
+    ToolEffect,
 };
 use dexa_tests::kit::{wait_for_agent_snapshot, wait_for_turns, AgentTestStack, KitAgent};
 use serde_json::{json, Value};
@@ -101,7 +101,14 @@ async fn a_worker_killed_while_waiting_for_approval_is_replaced_and_the_tool_run
     let snapshot = wait_for_turns(&sessions, "s1", 1).await;
     assert_eq!(stack.invocations().keys("pay"), vec!["s1/turn-1/pay"]);
     assert_eq!(finished(&stack, "pay").await, vec!["succeeded"]);
-    assert_eq!(snapshot.messages.last().and_then(|m| m.text.clone()).as_deref(), Some("paid"));
+    assert_eq!(
+        snapshot
+            .messages
+            .last()
+            .and_then(|m| m.text.clone())
+            .as_deref(),
+        Some("paid")
+    );
 }
 
 /// Kills the worker while gate `name` holds tool call `id`, starts a
@@ -152,6 +159,7 @@ async fn an_idempotent_write_killed_mid_call_runs_again_with_the_same_idempotenc
         vec!["s1/turn-1/w".to_string(), "s1/turn-1/w".to_string()]
     );
     assert_eq!(finished(&stack, "w").await, vec!["succeeded"]);
+    assert_eq!(tool_texts(&snapshot), vec!["gate w passed"]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -198,11 +206,19 @@ async fn a_worker_killed_during_run_model_repeats_only_that_model_call() {
     stack.start_worker();
     let snapshot = wait_for_turns(&sessions, "s1", 1).await;
     let log = stack.invocations();
-    assert_eq!(log.count("model-1"), 1, "the first model call did not repeat");
+    assert_eq!(
+        log.count("model-1"),
+        1,
+        "the first model call did not repeat"
+    );
     assert_eq!(log.count("t1"), 1, "the earlier tool Step did not repeat");
     assert_eq!(log.count("model-2"), 2, "the killed model call ran again");
     assert_eq!(
-        snapshot.messages.last().and_then(|m| m.text.clone()).as_deref(),
+        snapshot
+            .messages
+            .last()
+            .and_then(|m| m.text.clone())
+            .as_deref(),
         Some("answered")
     );
 }
@@ -223,11 +239,19 @@ async fn two_gates_reached_at_once_prove_two_tool_steps_run_in_parallel() {
     stack.gate("a").wait_until_reached().await;
     stack.gate("b").wait_until_reached().await;
     let snapshot = wait_for_turns(&sessions, "s1", 1).await;
-    assert_eq!(tool_texts(&snapshot), vec!["gate a passed", "gate b passed"]);
+    assert_eq!(
+        tool_texts(&snapshot),
+        vec!["gate a passed", "gate b passed"]
+    );
     for id in ["a", "b"] {
         assert_eq!(finished(&stack, id).await, vec!["succeeded"]);
     }
-    assert_eq!(stack.invocations().count("a"), 1, "{:?}", stack.invocations().entries());
+    assert_eq!(
+        stack.invocations().count("a"),
+        1,
+        "{:?}",
+        stack.invocations().entries()
+    );
     assert_eq!(stack.invocations().count("b"), 1);
 }
 
@@ -263,7 +287,11 @@ async fn run_model_failing_three_times_records_the_turn_failure_note_and_the_nex
     sessions.send_user_message("s1", "second").await.unwrap();
     let snapshot = wait_for_turns(&sessions, "s1", 2).await;
     assert_eq!(
-        snapshot.messages.last().and_then(|m| m.text.clone()).as_deref(),
+        snapshot
+            .messages
+            .last()
+            .and_then(|m| m.text.clone())
+            .as_deref(),
         Some("second turn works")
     );
     assert!(snapshot.state.unwrap().last_turn_error.is_none());
@@ -282,17 +310,26 @@ async fn a_worker_killed_between_a_commit_and_the_next_step_loses_nothing() {
     sessions.start_session("s1", "go").await.unwrap();
     wait_until_exited(&mut stack, first).await;
     assert!(
-        stack.worker_log(first).contains("aborting after committing CallTool"),
+        stack
+            .worker_log(first)
+            .contains("aborting after committing CallTool"),
         "{}",
         stack.worker_log(first)
     );
     stack.start_worker();
     let snapshot = wait_for_turns(&sessions, "s1", 1).await;
     let log = stack.invocations();
-    assert_eq!((log.count("model-1"), log.count("t1"), log.count("model-2")), (1, 1, 1));
+    assert_eq!(
+        (log.count("model-1"), log.count("t1"), log.count("model-2")),
+        (1, 1, 1)
+    );
     assert_eq!(tool_texts(&snapshot).len(), 1);
     assert_eq!(
-        snapshot.messages.last().and_then(|m| m.text.clone()).as_deref(),
+        snapshot
+            .messages
+            .last()
+            .and_then(|m| m.text.clone())
+            .as_deref(),
         Some("resumed")
     );
     let history = stack.read_step_history("s1").await;
@@ -373,15 +410,23 @@ async fn a_single_attempt_tool_never_runs_again_when_its_worker_dies_after_it_st
     stack.gate("u").release();
     stack.start_worker();
     let snapshot = wait_for_turns(&sessions, "s1", 1).await;
-    assert_eq!(stack.invocations().count("u"), 1, "the tool never ran again");
+    assert_eq!(
+        stack.invocations().count("u"),
+        1,
+        "the tool never ran again"
+    );
     assert_eq!(finished(&stack, "u").await, vec!["outcome_unknown"]);
+    let texts = tool_texts(&snapshot);
+    assert!(
+        texts.len() == 1 && texts[0].starts_with("Tool call outcome is unknown"),
+        "{texts:?}"
+    );
     let history = stack.read_step_history("s1").await;
     let single = entries(&history, step::CALL_SINGLE_ATTEMPT_TOOL);
     assert_eq!(single, vec![(history::EXECUTE_FAILED.to_string(), 1)]);
     assert!(
-        !history
-            .iter()
-            .any(|e| e.event_type == history::REDELIVERED && e.step_type == step::CALL_SINGLE_ATTEMPT_TOOL),
+        !history.iter().any(|e| e.event_type == history::REDELIVERED
+            && e.step_type == step::CALL_SINGLE_ATTEMPT_TOOL),
         "the attempt was not redelivered: {history:?}"
     );
     // Exactly one tool_call_started event: the Step never began again.
@@ -391,4 +436,30 @@ async fn a_single_attempt_tool_never_runs_again_when_its_worker_dies_after_it_st
         .filter(|e| e.event_type == dexa::session::event_type::TOOL_CALL_STARTED)
         .count();
     assert_eq!(started, 1);
+}
+
+#[test]
+fn dexa_worker_refuses_a_bad_config_naming_the_file_and_the_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("dexa.toml");
+    std::fs::write(
+        &config,
+        "[components.r]\npath = \"r.wasm\"\n\n[agents.A]\nrunner = \"missing\"\n",
+    )
+    .unwrap();
+    let output = std::process::Command::new(dexa_tests::kit::dexa_binary())
+        .arg("worker")
+        .arg("--config")
+        .arg(&config)
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains(&format!(
+            "{}:5:10: there is no component \"missing\"; the components are \"r\"",
+            config.display()
+        )),
+        "{stderr}"
+    );
 }

@@ -10,6 +10,9 @@
 //!   other pass only when their calls really overlap.
 //! - `log` `{"name": "a"}`: appends `<name>` to `/gates/invocations.log`
 //!   and returns the idempotency key.
+//!
+//! Both take `"hold_ms"`: how long to run on before returning (after the
+//! gate opened), so that a soak's kills can land inside tool calls.
 
 use std::io::Write;
 use std::path::Path;
@@ -30,6 +33,8 @@ struct GateArgs {
     await_gates: Vec<String>,
     #[serde(default = "default_timeout")]
     timeout_ms: u64,
+    #[serde(default)]
+    hold_ms: u64,
 }
 
 fn default_timeout() -> u64 {
@@ -85,6 +90,7 @@ fn gate(args: GateArgs, key: &str) -> Result<String, ToolError> {
                 .all(|other| Path::new(&format!("{ROOT}/{other}.reached")).exists())
         };
         if open {
+            std::thread::sleep(Duration::from_millis(args.hold_ms));
             return Ok(format!("gate {} passed", args.name));
         }
         if started.elapsed() >= timeout {
@@ -128,11 +134,14 @@ impl Guest for GateTool {
                 #[derive(Deserialize)]
                 struct LogArgs {
                     name: String,
+                    #[serde(default)]
+                    hold_ms: u64,
                 }
                 let args: LogArgs = serde_json::from_str(&record.arguments)
                     .map_err(|err| execution(format!("bad arguments: {err}")))?;
                 check_name(&args.name)?;
                 log_invocation(&args.name, &call.idempotency_key)?;
+                std::thread::sleep(Duration::from_millis(args.hold_ms));
                 Ok(call.idempotency_key.clone())
             }
             other => Err(execution(format!("gate-tool has no tool {other:?}"))),

@@ -26,7 +26,8 @@
 //! appends that call's result to the answer, to test the host's one-call rule),
 //! `"run_state": "..."` (overrides the run state it returns, to test the host's
 //! checks), `"log": "name"` (appends `name <flow>/<turn>#<attempt>` to
-//! `/gates/invocations.log`, to count model calls across processes) and
+//! `/gates/invocations.log`, to count model calls across processes),
+//! `"sleep_ms": N` (then waits, like a model's latency) and
 //! `"gate": "name"` (logs the same way, creates `/gates/<name>.reached` and
 //! waits up to 60 s for `/gates/<name>.release`; crash tests kill the worker
 //! there). Both need `/gates` granted. `effect` is the framework effect passed to `resolve-tool-policy`;
@@ -77,6 +78,9 @@ struct StepScript {
     run_state: Option<String>,
     log: Option<String>,
     gate: Option<String>,
+    /// Milliseconds to wait first, like a model's latency.
+    #[serde(default)]
+    sleep_ms: u64,
 }
 
 #[derive(Deserialize, Clone)]
@@ -395,6 +399,9 @@ impl Guest for ScriptedRunner {
         let call = format!("{}/{}#{}", turn.flow_id, turn.turn_id, turn.attempt);
         if let Some(name) = &step_script.log {
             log_invocation(name, &call)?;
+        }
+        if step_script.sleep_ms > 0 {
+            std::thread::sleep(std::time::Duration::from_millis(step_script.sleep_ms));
         }
         if let Some(name) = &step_script.gate {
             gate(name, &call)?;

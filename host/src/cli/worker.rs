@@ -8,7 +8,7 @@ use std::sync::Arc;
 use clap::Args;
 
 use crate::config::deploy::LoadProgress;
-use crate::config::{DexaConfig, Deployment, StoreUrl};
+use crate::config::{Deployment, DexaConfig, StoreUrl};
 use crate::flow::ClaimedTask;
 
 #[derive(Args, Debug)]

@@ -112,10 +112,9 @@ impl Deployment {
                 .tools
                 .iter()
                 .map(|name| {
-                    tools
-                        .get(name)
-                        .cloned()
-                        .with_context(|| format!("agent {:?}: tool {name:?} not loaded", agent.name))
+                    tools.get(name).cloned().with_context(|| {
+                        format!("agent {:?}: tool {name:?} not loaded", agent.name)
+                    })
                 })
                 .collect::<anyhow::Result<Vec<_>>>()?;
             let mut components = AgentComponents::new(runner, agent_tools)
@@ -129,7 +128,9 @@ impl Deployment {
                 agent.options.clone(),
             ));
         }
-        let registry = Arc::new(Registry::new(flows.iter().map(AgentSessionFlow::definition))?);
+        let registry = Arc::new(Registry::new(
+            flows.iter().map(AgentSessionFlow::definition),
+        )?);
         Ok(Self {
             config,
             store,
@@ -146,7 +147,9 @@ impl Deployment {
             .values()
             .map(|agent| AgentSessionFlow::for_clients(agent.name.clone(), agent.options.clone()))
             .collect();
-        let registry = Arc::new(Registry::new(flows.iter().map(AgentSessionFlow::definition))?);
+        let registry = Arc::new(Registry::new(
+            flows.iter().map(AgentSessionFlow::definition),
+        )?);
         Ok(Self {
             config,
             store,

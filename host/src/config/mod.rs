@@ -229,13 +229,9 @@ impl DexaConfig {
             .filter(|p| !p.as_os_str().is_empty())
             .unwrap_or(Path::new("."))
             .to_path_buf();
-        let at = |span: Range<usize>, message: String| locate(file, text, span, message);
-        let raw: RawConfig = toml::from_str(text).map_err(|err| {
-            at(
-                err.span().unwrap_or(0..0),
-                err.message().trim().to_string(),
-            )
-        })?;
+        let loc = Locator { file, text };
+        let raw: RawConfig = toml::from_str(text)
+            .map_err(|err| loc.at(err.span().unwrap_or(0..0), err.message().trim().to_string()))?;
         let resolve = |path: &str| -> PathBuf {
             let path = Path::new(path);
             if path.is_absolute() {
@@ -244,23 +240,12 @@ impl DexaConfig {
                 base.join(path)
             }
         };
-        let duration = |value: &Spanned<String>, what: &str| -> Result<Duration, ConfigError> {
-            humantime::parse_duration(value.get_ref()).map_err(|err| {
-                at(
-                    value.span(),
-                    format!(
-                        "{what}: {:?} is not a duration like \"30s\" or \"5m\": {err}",
-                        value.get_ref()
-                    ),
-                )
-            })
-        };
 
         let store = match &raw.store {
             None => StoreUrl::Sqlite(base.join(".dexa").join("dexa.sqlite")),
             Some(url) => parse_store_url(url.get_ref())
                 .map(|path| StoreUrl::Sqlite(resolve(&path)))
-                .map_err(|message| at(url.span(), message))?,
+                .map_err(|message| loc.at(url.span(), message))?,
         };
         let cache_dir = resolve(raw.cache_dir.as_deref().unwrap_or(".dexa/cache/components"));
 
@@ -268,25 +253,21 @@ impl DexaConfig {
         let worker = WorkerConfig {
             slots: match &raw.worker.slots {
                 Some(slots) if *slots.get_ref() == 0 => {
-                    return Err(at(slots.span(), "worker.slots must be at least 1".into()))
+                    return Err(loc.at(slots.span(), "worker.slots must be at least 1".into()))
                 }
                 Some(slots) => *slots.get_ref(),
                 None => defaults.max_concurrent_tasks,
             },
-            lease: positive(&raw.worker.lease, "worker.lease", defaults.lease, &duration, &at)?,
-            poll_interval: positive(
+            lease: loc.positive(&raw.worker.lease, "worker.lease", defaults.lease)?,
+            poll_interval: loc.positive(
                 &raw.worker.poll_interval,
                 "worker.poll_interval",
                 defaults.poll_interval,
-                &duration,
-                &at,
             )?,
-            reap_interval: positive(
+            reap_interval: loc.positive(
                 &raw.worker.reap_interval,
                 "worker.reap_interval",
                 defaults.reap_interval,
-                &duration,
-                &at,
             )?,
         };
 
@@ -294,7 +275,7 @@ impl DexaConfig {
         let mut roles: BTreeMap<&str, (ComponentRole, Range<usize>)> = BTreeMap::new();
         let mut claim = |name: &Spanned<String>, role: ComponentRole| -> Result<(), ConfigError> {
             if !raw.components.contains_key(name.get_ref().as_str()) {
-                return Err(at(
+                return Err(loc.at(
                     name.span(),
                     format!(
                         "there is no component {:?}; the components are {}",
@@ -304,7 +285,7 @@ impl DexaConfig {
                 ));
             }
             match roles.get(name.get_ref().as_str()) {
-                Some((existing, _)) if *existing != role => Err(at(
+                Some((existing, _)) if *existing != role => Err(loc.at(
                     name.span(),
                     format!(
                         "component {:?} is used both as a runner and as a tool component",
@@ -333,19 +314,19 @@ impl DexaConfig {
 
         let mut components = BTreeMap::new();
         for (name, component) in &raw.components {
-            check_name(name, "component").map_err(|m| at(component.span(), m))?;
+            check_name(name, "component").map_err(|m| loc.at(component.span(), m))?;
             let raw_component = component.get_ref();
             let mut dirs = Vec::new();
             for dir in &raw_component.dirs {
                 let grant = dir.get_ref();
                 if !grant.guest.starts_with('/') {
-                    return Err(at(
+                    return Err(loc.at(
                         dir.span(),
                         format!("guest path {:?} must be absolute", grant.guest),
                     ));
                 }
                 if dirs.iter().any(|d: &DirGrant| d.guest_path == grant.guest) {
-                    return Err(at(
+                    return Err(loc.at(
                         dir.span(),
                         format!("guest path {:?} is granted twice", grant.guest),
                     ));
@@ -358,7 +339,7 @@ impl DexaConfig {
             }
             for var in &raw_component.env {
                 if var.get_ref().is_empty() || var.get_ref().contains('=') {
-                    return Err(at(
+                    return Err(loc.at(
                         var.span(),
                         format!("environment variable name {:?} is invalid", var.get_ref()),
                     ));
@@ -387,7 +368,7 @@ impl DexaConfig {
 
         let mut models = BTreeMap::new();
         for (name, model) in &raw.models {
-            check_name(name, "model").map_err(|m| at(model.span(), m))?;
+            check_name(name, "model").map_err(|m| loc.at(model.span(), m))?;
             let config = match model.get_ref() {
                 RawModel::Scripted { responses } => ModelConfig::Scripted {
                     responses: resolve(responses),
@@ -398,11 +379,11 @@ impl DexaConfig {
 
         let mut agents = BTreeMap::new();
         for (name, agent) in &raw.agents {
-            check_name(name, "agent").map_err(|m| at(agent.span(), m))?;
+            check_name(name, "agent").map_err(|m| loc.at(agent.span(), m))?;
             let raw_agent = agent.get_ref();
             if let Some(model) = &raw_agent.model {
                 if !raw.models.contains_key(model.get_ref().as_str()) {
-                    return Err(at(
+                    return Err(loc.at(
                         model.span(),
                         format!(
                             "there is no model {:?}; the models are {}",
@@ -415,7 +396,7 @@ impl DexaConfig {
             let mut seen = std::collections::BTreeSet::new();
             for tool in &raw_agent.tools {
                 if !seen.insert(tool.get_ref().as_str()) {
-                    return Err(at(
+                    return Err(loc.at(
                         tool.span(),
                         format!("tool component {:?} is listed twice", tool.get_ref()),
                     ));
@@ -429,11 +410,11 @@ impl DexaConfig {
                 options.default_tool_effect = effect;
             }
             if let Some(deadline) = &raw_agent.interrupt_deadline {
-                options.interrupt_deadline = Some(duration(deadline, "interrupt_deadline")?);
+                options.interrupt_deadline = Some(loc.duration(deadline, "interrupt_deadline")?);
             }
             if let Some(capacity) = &raw_agent.events_capacity {
                 if *capacity.get_ref() == 0 {
-                    return Err(at(
+                    return Err(loc.at(
                         capacity.span(),
                         "events_capacity must be at least 1 byte".into(),
                     ));
@@ -441,7 +422,7 @@ impl DexaConfig {
                 options.events_capacity = *capacity.get_ref();
             }
             if let Some(timeout) = &raw_agent.tool_attempt_timeout {
-                let timeout = duration(timeout, "tool_attempt_timeout")?;
+                let timeout = loc.duration(timeout, "tool_attempt_timeout")?;
                 options.tool_attempt_timeout = timeout;
             }
             agents.insert(
@@ -482,21 +463,45 @@ impl DexaConfig {
     }
 }
 
-fn positive(
-    value: &Option<Spanned<String>>,
-    what: &str,
-    default: Duration,
-    duration: &dyn Fn(&Spanned<String>, &str) -> Result<Duration, ConfigError>,
-    at: &dyn Fn(Range<usize>, String) -> ConfigError,
-) -> Result<Duration, ConfigError> {
-    let Some(value) = value else {
-        return Ok(default);
-    };
-    let parsed = duration(value, what)?;
-    if parsed.is_zero() {
-        return Err(at(value.span(), format!("{what} must be longer than 0")));
+/// Places errors in the file's text.
+struct Locator<'a> {
+    file: &'a Path,
+    text: &'a str,
+}
+
+impl Locator<'_> {
+    fn at(&self, span: Range<usize>, message: String) -> ConfigError {
+        locate(self.file, self.text, span, message)
     }
-    Ok(parsed)
+
+    fn duration(&self, value: &Spanned<String>, what: &str) -> Result<Duration, ConfigError> {
+        humantime::parse_duration(value.get_ref()).map_err(|err| {
+            self.at(
+                value.span(),
+                format!(
+                    "{what}: {:?} is not a duration like \"30s\" or \"5m\": {err}",
+                    value.get_ref()
+                ),
+            )
+        })
+    }
+
+    /// A duration longer than zero, or `default` when absent.
+    fn positive(
+        &self,
+        value: &Option<Spanned<String>>,
+        what: &str,
+        default: Duration,
+    ) -> Result<Duration, ConfigError> {
+        let Some(value) = value else {
+            return Ok(default);
+        };
+        let parsed = self.duration(value, what)?;
+        if parsed.is_zero() {
+            return Err(self.at(value.span(), format!("{what} must be longer than 0")));
+        }
+        Ok(parsed)
+    }
 }
 
 /// `sqlite:PATH`, `sqlite://PATH` or a bare path.
@@ -612,7 +617,10 @@ tool_policies = { pay = { effect = "non_idempotent_write", requires_approval = f
         let ledger = &config.components["ledger"];
         assert_eq!(ledger.role, ComponentRole::Tool);
         assert_eq!(ledger.path, PathBuf::from("/opt/ledger.wasm"));
-        assert_eq!(ledger.dirs[0].host_path, PathBuf::from("/srv/agents/ledger"));
+        assert_eq!(
+            ledger.dirs[0].host_path,
+            PathBuf::from("/srv/agents/ledger")
+        );
         assert_eq!(ledger.dirs[0].access, DirAccess::ReadWrite);
         assert_eq!(ledger.env, vec!["CURRENCY".to_string()]);
         assert_eq!(config.components["runner"].role, ComponentRole::Runner);
@@ -637,7 +645,10 @@ tool_policies = { pay = { effect = "non_idempotent_write", requires_approval = f
             StoreUrl::Sqlite("/srv/agents/.dexa/dexa.sqlite".into())
         );
         assert!(config.agents.is_empty());
-        assert_eq!(config.worker.slots, WorkerOptions::default().max_concurrent_tasks);
+        assert_eq!(
+            config.worker.slots,
+            WorkerOptions::default().max_concurrent_tasks
+        );
     }
 
     /// Each bad config names the file, the line and the problem.
@@ -682,6 +693,10 @@ tool_policies = { pay = { effect = "non_idempotent_write", requires_approval = f
             Ok(_) => panic!("loaded a missing file"),
             Err(err) => err,
         };
-        assert!(err.to_string().starts_with("/nonexistent/dexa.toml: cannot read"), "{err}");
+        assert!(
+            err.to_string()
+                .starts_with("/nonexistent/dexa.toml: cannot read"),
+            "{err}"
+        );
     }
 }
