@@ -687,6 +687,28 @@ tool_policies = { pay = { effect = "non_idempotent_write", requires_approval = f
         }
     }
 
+    /// The example in the README is a valid config.
+    #[test]
+    fn the_readme_example_parses() {
+        let readme = include_str!("../../../README.md");
+        let section = readme
+            .split("## Configuration: `dexa.toml`")
+            .nth(1)
+            .unwrap_or_else(|| panic!("README has no configuration section"));
+        let example = section
+            .split("```toml\n")
+            .nth(1)
+            .and_then(|rest| rest.split("```").next())
+            .unwrap_or_else(|| panic!("the configuration section has no toml block"));
+        let config = parse(example).unwrap_or_else(|err| panic!("{err}"));
+        let agent = &config.agents["Bookkeeper"];
+        assert_eq!(agent.tools, vec!["ledger-tool".to_string()]);
+        assert_eq!(
+            agent.options.tool_policies["record_payment"],
+            ToolPolicy::new(ToolEffect::IdempotentWrite).requires_approval(false)
+        );
+    }
+
     #[test]
     fn a_missing_file_is_named() {
         let err = match DexaConfig::load("/nonexistent/dexa.toml") {
