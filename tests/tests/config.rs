@@ -100,7 +100,7 @@ async fn a_worker_refuses_missing_grants_and_bad_model_files_by_name() {
             "model \"m\": cannot read",
         ),
         (
-            format!("[components.runner]\npath = \"nope.wasm\"\n[agents.A]\nrunner = \"runner\"\n"),
+            "[components.runner]\npath = \"nope.wasm\"\n[agents.A]\nrunner = \"runner\"\n".to_string(),
             "component \"runner\"",
         ),
     ];
