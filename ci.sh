@@ -13,6 +13,22 @@ for component in rustfmt clippy; do
         || { echo "rustup component $component is missing: rustup component add $component"; exit 1; }
 done
 
+step "browser for the web viewer test: Debian's chromium and chromium-driver"
+browser_packages=(chromium chromium-driver)
+missing=()
+for pkg in "${browser_packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    if [ "$(id -u)" -ne 0 ]; then
+        echo "need root to install ${missing[*]}: sudo apt-get install -y ${missing[*]}"
+        exit 1
+    fi
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+chromium --version
+
 step "guests: building every Rust guest to a wasm32-wasip2 component"
 guests/build.sh
 

@@ -5,14 +5,18 @@
 //! - [`flow`]: the generic durable Flow engine and its storage trait;
 //! - [`store`]: the storage backends (embedded SQLite);
 //! - [`plugin`]: the wasmtime layer (engine, cache, sandboxed calls, grants);
+//! - [`providers`]: the model providers behind `model.complete` (OpenAI-compatible);
 //! - [`session`]: AgentSessionFlow, the durable agent session, and its client;
 //! - [`config`]: `dexa.toml`, and the store, components and agents it
 //!   describes;
+//! - [`api`]: the HTTP+SSE API of `dexa serve`;
 //! - [`cli`]: the `dexa` command line.
 
+pub mod api;
 pub mod cli;
 pub mod config;
 pub mod flow;
 pub mod plugin;
+pub mod providers;
 pub mod session;
 pub mod store;

@@ -5,6 +5,8 @@
 //!   guest sent, with the Step tags the host attached;
 //! - [`step_tag`]: a tag for a test call.
 
+pub mod api_server;
+pub mod chat_server;
 pub mod kit;
 pub mod session;
 pub mod toy;

@@ -553,6 +553,7 @@ async fn a_stale_workers_commit_is_refused(factory: &dyn StoreFactory) {
             final_attempt: task.attempt,
             at: now,
             detail: None,
+            started_at: None,
         },
     };
     let refused = stack.store.commit_step(commit(&a)).await;

@@ -1633,58 +1633,6 @@ async fn the_host_model_answers_run_model_and_its_usage_and_text_reach_the_sessi
     assert_eq!(text, "the model is done");
 }
 
-/// The README's first command: `dexa demo` runs the example agent offline.
-#[tokio::test]
-async fn the_demo_command_runs_the_example_agent_offline() {
-    let binary = dexa_tests::repo_root()
-        .join("target")
-        .join("debug")
-        .join("dexa");
-    assert!(
-        binary.is_file(),
-        "{} is missing; cargo builds it with the workspace",
-        binary.display()
-    );
-    let dir = tempfile::tempdir().unwrap();
-    let output = tokio::process::Command::new(&binary)
-        .arg("demo")
-        .arg("--guests-dir")
-        .arg(dexa_tests::guests_dir())
-        .arg("--store")
-        .arg(dir.path().join("demo.sqlite"))
-        .arg("--ledger-dir")
-        .arg(dir.path().join("ledger"))
-        .arg("--cache-dir")
-        .arg(
-            dexa_tests::repo_root()
-                .join("target")
-                .join("test-component-cache"),
-        )
-        .kill_on_drop(true)
-        .output()
-        .await
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "dexa demo failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    assert!(stdout.contains("[turn-1 completed]"), "{stdout}");
-    assert!(
-        stdout.contains("[tool record_payment pay succeeded]"),
-        "{stdout}"
-    );
-    assert!(stdout.contains("recorded a payment of 120"), "{stdout}");
-    assert_eq!(
-        std::fs::read_dir(dir.path().join("ledger"))
-            .unwrap()
-            .count(),
-        1,
-        "one payment in the granted directory"
-    );
-}
-
 #[tokio::test]
 async fn a_runner_may_add_an_approval_but_never_skip_one() {
     let stack = started(vec![echo_agent("Lying")]).await;

@@ -17,6 +17,7 @@
 //! ```json
 //! {"text": "final answer", "deltas": ["final ", "answer"]}
 //! {"tool_calls": [{"id": "c1", "name": "echo", "arguments": {"x": 1}, "effect": "read"}]}
+//! {"text": "Let me look.", "tool_calls": [...]}   (streams the text first)
 //! {"model": true}
 //! ```
 //! and may also carry `"usage": {"input": 10, "output": 5}`,
@@ -417,6 +418,17 @@ impl Guest for ScriptedRunner {
         }
         let usage = usage_of(&step_script);
         if let Some(calls) = &step_script.tool_calls {
+            // Text before tool calls, as a model that says what it will do.
+            if let Some(text) = &step_script.text {
+                for delta in step_script
+                    .deltas
+                    .clone()
+                    .unwrap_or_else(|| vec![text.clone()])
+                {
+                    events::write_text_delta(&delta);
+                }
+                state.items.push(json!({"type": "text", "text": text}));
+            }
             return request_tools(state, calls, usage, step_script.run_state.clone());
         }
         let text = step_script.text.clone().unwrap_or_default();

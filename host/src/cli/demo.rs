@@ -1,167 +1,137 @@
-//! `dexa demo`: one session of the offline example agent on the embedded
-//! SQLite store. The runner is `scripted-runner` (it follows a script, not a
-//! model); its tools are `echo-tool` (a read) and `ledger-tool` (an
-//! idempotent write into a granted directory). Events are printed as they
-//! arrive, then the stored messages and the Step history.
+//! `dexa demo`: one session of the example agent (`examples/bookkeeper`) on
+//! the embedded SQLite store. Offline it runs on the example's `replay` model
+//! (scripted responses, no network); `DEXA_MODEL=openai` and
+//! `OPENAI_API_KEY` switch it to a real model. Events are printed as they
+//! arrive, then the stored messages, the usage and the Step history.
 
-use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
 use clap::Args;
-use serde_json::json;
 
-use super::EngineArgs;
-use crate::flow::{history, FlowClient, FlowStore, Registry, Worker, WorkerOptions};
-use crate::plugin::{ComponentSettings, DirAccess, Grants, SandboxConfig, SandboxEngine};
-use crate::session::{
-    event_type, AgentComponents, AgentSessionClient, AgentSessionFlow, AgentSessionOptions,
-    ToolEffect, ToolPolicy,
-};
-use crate::store::sqlite::SqliteStore;
+use super::worker::print_progress;
+use crate::config::{Deployment, DexaConfig, StoreUrl};
+use crate::flow::history;
+use crate::session::event_type;
 
 #[derive(Args, Debug)]
 pub struct DemoArgs {
+    /// The example's config.
+    #[arg(long, short, default_value = "examples/bookkeeper/dexa.toml")]
+    pub config: PathBuf,
+    /// The agent to run.
+    #[arg(long, default_value = "Bookkeeper")]
+    pub agent: String,
     /// The user's message.
-    #[arg(long, default_value = "Pay invoice 7 and tell me what you did")]
+    #[arg(long, default_value = "Please pay invoice 7.")]
     pub message: String,
-    /// Where the built guests are.
-    #[arg(long, default_value = "target/guests")]
-    pub guests_dir: PathBuf,
-    /// The SQLite store file.
-    #[arg(long, default_value = ".dexa/dexa.sqlite")]
-    pub store: PathBuf,
-    /// The directory granted to ledger-tool as /ledger.
-    #[arg(long, default_value = ".dexa/demo-ledger")]
-    pub ledger_dir: PathBuf,
-    #[command(flatten)]
-    pub engine: EngineArgs,
-}
-
-const AGENT: &str = "DemoAgent";
-
-/// The script the example runner follows: two tool calls, then an answer.
-fn script() -> serde_json::Value {
-    json!({"turns": [{"steps": [
-        {"tool_calls": [
-            {"id": "lookup", "name": "describe_call", "arguments": {"invoice": 7}, "effect": "read"},
-            {"id": "pay", "name": "record_payment", "arguments": {"amount": 120}, "effect": "idempotent_write"}
-        ], "usage": {"input": 412, "output": 38}},
-        {"text": "I looked up invoice 7 and recorded a payment of 120 (once, even if I am retried).",
-         "deltas": ["I looked up invoice 7 ", "and recorded a payment of 120 ", "(once, even if I am retried)."],
-         "usage": {"input": 530, "output": 24}}
-    ]}]})
+    /// Where compiled components are cached (default: the config's).
+    #[arg(long, env = "DEXA_CACHE_DIR")]
+    pub cache_dir: Option<PathBuf>,
+    /// How long to wait for the turn.
+    #[arg(long, default_value_t = 300)]
+    pub timeout_secs: u64,
 }
 
 pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
-    let runner_path = args.guests_dir.join("scripted-runner.wasm");
-    let echo_path = args.guests_dir.join("echo-tool.wasm");
-    let ledger_path = args.guests_dir.join("ledger-tool.wasm");
-    for path in [&runner_path, &echo_path, &ledger_path] {
+    let mut config = DexaConfig::load(&args.config)?;
+    if let Some(cache_dir) = args.cache_dir {
+        config.cache_dir = cache_dir;
+    }
+    for component in config.components.values() {
         anyhow::ensure!(
-            path.is_file(),
+            component.path.is_file(),
             "{} is missing; build the guests first with guests/build.sh",
-            path.display()
+            component.path.display()
         );
     }
-    std::fs::create_dir_all(&args.ledger_dir)
-        .with_context(|| format!("cannot create {}", args.ledger_dir.display()))?;
-    let store: Arc<dyn FlowStore> = Arc::new(SqliteStore::open(&args.store, Default::default())?);
-    println!("store: {} (embedded SQLite)", args.store.display());
-    println!("loading components (the first run compiles them, a few seconds each)...");
+    let StoreUrl::Sqlite(store_path) = config.store.clone();
+    println!("store: {} (embedded SQLite)", store_path.display());
+    println!("loading components (the first run compiles each, a few seconds each)...");
     let started = Instant::now();
-    let engine = SandboxEngine::new(SandboxConfig {
-        cache_dir: Some(args.engine.cache_dir.clone()),
-        ..SandboxConfig::default()
-    })?;
-    let mut config = BTreeMap::new();
-    config.insert("script".to_string(), script().to_string());
-    let runner = engine.load_runner_file(
-        &runner_path,
-        ComponentSettings::named("scripted-runner").with_config(config),
-    )?;
-    let echo = engine
-        .load_tool_file(&echo_path, ComponentSettings::named("echo-tool"))
-        .await?;
-    let ledger = engine
-        .load_tool_file(
-            &ledger_path,
-            ComponentSettings::named("ledger-tool").with_grants(Grants::none().dir(
-                &args.ledger_dir,
-                "/ledger",
-                DirAccess::ReadWrite,
-            )),
-        )
-        .await?;
+    let deployment = Deployment::for_workers(config, &print_progress).await?;
     println!(
-        "components ready in {:.1} s: scripted-runner (runner), echo-tool, ledger-tool",
+        "components ready in {:.1} s",
         started.elapsed().as_secs_f64()
     );
-    let components =
-        AgentComponents::new(Arc::new(runner), vec![Arc::new(echo), Arc::new(ledger)])?;
-    let options = AgentSessionOptions::default()
-        .tool_policy("describe_call", ToolPolicy::new(ToolEffect::Read))
-        .tool_policy(
-            "record_payment",
-            ToolPolicy::new(ToolEffect::IdempotentWrite),
-        );
-    let flow = AgentSessionFlow::new(AGENT, components, options);
-    let registry = Arc::new(Registry::new([flow.definition()])?);
-    let worker = tokio::spawn(
-        Worker::new(store.clone(), registry.clone(), WorkerOptions::default())
-            .run(std::future::pending()),
-    );
-    let sessions = AgentSessionClient::new(FlowClient::new(store.clone(), registry), AGENT);
+    let model = deployment
+        .config
+        .agents
+        .get(&args.agent)
+        .and_then(|a| a.model.clone())
+        .unwrap_or_else(|| "none".to_string());
+    let worker = tokio::spawn(deployment.worker().run(std::future::pending()));
+    let sessions = deployment.sessions(&args.agent)?;
     let session_id = format!(
-        "demo-{}",
+        "demo-{:x}",
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_millis())
             .unwrap_or(0)
     );
-    println!("session {session_id}\nuser> {}", args.message);
+    println!(
+        "session {session_id} of {} (model: {model})\nuser> {}",
+        args.agent, args.message
+    );
     sessions.start_session(&session_id, &args.message).await?;
 
     let mut after = 0;
-    let deadline = Instant::now() + Duration::from_secs(60);
-    'watch: loop {
+    let mut in_text = false;
+    let deadline = Instant::now() + Duration::from_secs(args.timeout_secs);
+    let outcome = 'watch: loop {
         let (events, _) = sessions.read_events(&session_id, after, 500).await?;
         for (seq, event) in events {
             after = seq;
             let data = &event.data;
+            let field = |name: &str| data[name].as_str().unwrap_or("?").to_string();
+            if in_text && event.event_type != event_type::TEXT_DELTA {
+                println!();
+                in_text = false;
+            }
             match event.event_type.as_str() {
-                event_type::TEXT_DELTA => print!("{}", data["text"].as_str().unwrap_or("")),
+                event_type::TEXT_DELTA => {
+                    if !in_text {
+                        print!("agent> ");
+                        in_text = true;
+                    }
+                    print!("{}", field("text"));
+                }
                 event_type::TOOL_CALL_STARTED => println!(
                     "  [tool {} {} started]",
-                    data["tool_name"].as_str().unwrap_or("?"),
-                    data["tool_call_id"].as_str().unwrap_or("?")
+                    field("tool_name"),
+                    field("tool_call_id")
                 ),
                 event_type::TOOL_CALL_FINISHED => println!(
                     "  [tool {} {} {}]",
-                    data["tool_name"].as_str().unwrap_or("?"),
-                    data["tool_call_id"].as_str().unwrap_or("?"),
-                    data["status"].as_str().unwrap_or("?")
+                    field("tool_name"),
+                    field("tool_call_id"),
+                    field("status")
+                ),
+                event_type::INTERRUPT_RAISED => println!(
+                    "  [{} waits for approval: dexa session approve {session_id} -c {}]",
+                    field("tool_name"),
+                    args.config.display()
                 ),
                 event_type::TURN_STARTED => println!("  [{} started]", event.turn_id),
                 event_type::TURN_COMPLETED => {
-                    println!("\n  [{} completed]", event.turn_id);
-                    break 'watch;
+                    println!("  [{} completed]", event.turn_id);
+                    break 'watch Ok(());
                 }
                 event_type::TURN_FAILED => {
-                    println!("\n  [{} failed: {}]", event.turn_id, data["error"]);
-                    break 'watch;
+                    println!("  [{} failed: {}]", event.turn_id, field("error"));
+                    break 'watch Err(anyhow::anyhow!("the turn failed: {}", field("error")));
                 }
                 _ => {}
             }
         }
-        anyhow::ensure!(
-            Instant::now() < deadline,
-            "the turn did not finish within 60 s"
-        );
+        if Instant::now() >= deadline {
+            break Err(anyhow::anyhow!(
+                "the turn did not finish within {} s",
+                args.timeout_secs
+            ));
+        }
         tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    };
 
     let snapshot = sessions.get_agent_snapshot(&session_id).await?;
     println!("\nstored messages:");
@@ -170,7 +140,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
             "  {:>3} {:<9} {}",
             message.sequence,
             format!("{:?}", message.role).to_lowercase(),
-            message.text.as_deref().unwrap_or("(no text)")
+            message.text.as_deref().unwrap_or("(tool calls)")
         );
     }
     println!(
@@ -178,15 +148,23 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         snapshot.usage.input_tokens, snapshot.usage.output_tokens, snapshot.usage.model_calls
     );
     println!("steps (each in a fresh sandbox, each committed durably):");
-    for entry in store.step_history(&session_id).await? {
+    for entry in deployment.store.step_history(&session_id).await? {
         if entry.event_type == history::EXECUTE_COMPLETED {
-            println!("  {:<22} attempt {}", entry.step_type, entry.final_attempt);
+            let took = entry
+                .started_at
+                .map(|s| format!("{} ms", entry.at - s))
+                .unwrap_or_default();
+            println!(
+                "  {:<22} attempt {}  {took}",
+                entry.step_type, entry.final_attempt
+            );
         }
     }
     println!(
-        "the session waits for the next message; it stays in {}",
-        args.store.display()
+        "the session waits for the next message: dexa chat {} -c {} --session {session_id}",
+        args.agent,
+        args.config.display()
     );
     worker.abort();
-    Ok(())
+    outcome
 }

@@ -2,7 +2,10 @@
 
 pub mod bench;
 pub mod bench_turn;
+pub mod chat;
 pub mod demo;
+pub mod serve;
+pub mod session;
 pub mod worker;
 
 use std::collections::BTreeMap;
@@ -37,6 +40,12 @@ pub enum Command {
     /// Run one session of the offline example agent (scripted runner, two
     /// tool components) on the embedded SQLite store.
     Demo(demo::DemoArgs),
+    /// Serve the HTTP API (and run a worker) for the agents in dexa.toml.
+    Serve(serve::ServeArgs),
+    /// Talk to an agent in the terminal; reattaches after a restart.
+    Chat(chat::ChatArgs),
+    /// Session RPCs for scripts: list, start, show, send, approve, reject, stop, history.
+    Session(session::SessionArgs),
     /// Run the Steps of every agent in dexa.toml until stopped.
     Worker(worker::WorkerArgs),
     /// Measure the engine (build with --release for real numbers).
@@ -135,6 +144,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Demo(args) => demo::run(args).await,
         Command::Worker(args) => worker::run(args).await,
+        Command::Serve(args) => serve::run(args).await,
+        Command::Chat(args) => chat::run(args).await,
+        Command::Session(args) => session::run(args).await,
         Command::Component(ComponentCommand::Inspect(args)) => inspect(args).await,
         Command::Component(ComponentCommand::Call(args)) => call(args).await,
         Command::Bench(BenchCommand::Engine(args)) => bench::run(args).await,

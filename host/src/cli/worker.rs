@@ -88,7 +88,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
 }
 
 /// Ctrl-C or SIGTERM.
-async fn shutdown_signal() {
+pub async fn shutdown_signal() {
     let terminate = async {
         match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
             Ok(mut signal) => {

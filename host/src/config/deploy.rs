@@ -15,6 +15,7 @@ use crate::plugin::{
     CacheOutcome, ComponentSettings, Grants, ModelProvider, RunnerComponent, SandboxConfig,
     SandboxEngine, ScriptedModelProvider, ToolComponent,
 };
+use crate::providers::{OpenAiConfig, OpenAiProvider};
 use crate::session::{AgentComponents, AgentSessionClient, AgentSessionFlow};
 use crate::store::sqlite::SqliteStore;
 
@@ -99,8 +100,15 @@ impl Deployment {
             });
         }
         let mut models: BTreeMap<String, Arc<dyn ModelProvider>> = BTreeMap::new();
+        // Only the models an agent uses: another's key need not be set.
         for (name, model) in &config.models {
-            models.insert(name.clone(), model_provider(&config, name, model)?);
+            if config
+                .agents
+                .values()
+                .any(|a| a.model.as_deref() == Some(name))
+            {
+                models.insert(name.clone(), model_provider(&config, name, model)?);
+            }
         }
         let mut flows = Vec::new();
         for agent in config.agents.values() {
@@ -192,6 +200,15 @@ fn open_store(config: &DexaConfig) -> anyhow::Result<Arc<dyn FlowStore>> {
 }
 
 fn settings(config: &DexaConfig, component: &ComponentConfig) -> anyhow::Result<ComponentSettings> {
+    for dir in &component.create_dirs {
+        std::fs::create_dir_all(dir).map_err(|err| {
+            config.error(format!(
+                "component {:?}: cannot create {}: {err}",
+                component.name,
+                dir.display()
+            ))
+        })?;
+    }
     let mut grants = Grants::none();
     grants.dirs = component.dirs.clone();
     for name in &component.env {
@@ -265,6 +282,24 @@ fn model_provider(
             Ok(Arc::new(ScriptedModelProvider::new(
                 scripted.into_iter().map(into_response),
             )))
+        }
+        ModelConfig::OpenAi {
+            base_url,
+            model,
+            api_key_env,
+        } => {
+            let mut openai = OpenAiConfig::new(base_url.clone(), model.clone());
+            if let Some(var) = api_key_env {
+                let key = std::env::var(var).map_err(|_| {
+                    config.error(format!(
+                        "model {name:?}: its API key variable {var} is not set"
+                    ))
+                })?;
+                openai = openai.api_key(key);
+            }
+            Ok(Arc::new(OpenAiProvider::new(openai).map_err(|err| {
+                config.error(format!("model {name:?}: {err}"))
+            })?))
         }
     }
 }

@@ -112,6 +112,8 @@ pub struct ComponentConfig {
     pub path: PathBuf,
     pub role: ComponentRole,
     pub dirs: Vec<DirGrant>,
+    /// Granted host directories to create when missing.
+    pub create_dirs: Vec<PathBuf>,
     /// Names of host environment variables the component may read.
     pub env: Vec<String>,
     pub config: BTreeMap<String, String>,
@@ -122,7 +124,17 @@ pub enum ModelConfig {
     /// Replays the responses in a JSON file, in order. For tests and offline
     /// demos; it never contacts a model.
     Scripted { responses: PathBuf },
+    /// An OpenAI-compatible chat-completions server.
+    OpenAi {
+        base_url: String,
+        model: String,
+        /// The environment variable holding the key; none sends no key.
+        api_key_env: Option<String>,
+    },
 }
+
+/// Where `provider = "openai"` goes when no `base_url` is given.
+pub const OPENAI_BASE_URL: &str = "https://api.openai.com/v1";
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct AgentConfig {
@@ -179,6 +191,9 @@ struct RawDir {
     guest: String,
     #[serde(default = "read_only")]
     access: DirAccess,
+    /// Create the host directory when it is missing.
+    #[serde(default)]
+    create: bool,
 }
 
 fn read_only() -> DirAccess {
@@ -188,7 +203,14 @@ fn read_only() -> DirAccess {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, tag = "provider", rename_all = "snake_case")]
 enum RawModel {
-    Scripted { responses: String },
+    Scripted {
+        responses: String,
+    },
+    Openai {
+        base_url: Option<String>,
+        model: String,
+        api_key_env: Option<String>,
+    },
 }
 
 #[derive(Deserialize)]
@@ -317,6 +339,7 @@ impl DexaConfig {
             check_name(name, "component").map_err(|m| loc.at(component.span(), m))?;
             let raw_component = component.get_ref();
             let mut dirs = Vec::new();
+            let mut create_dirs = Vec::new();
             for dir in &raw_component.dirs {
                 let grant = dir.get_ref();
                 if !grant.guest.starts_with('/') {
@@ -330,6 +353,9 @@ impl DexaConfig {
                         dir.span(),
                         format!("guest path {:?} is granted twice", grant.guest),
                     ));
+                }
+                if grant.create {
+                    create_dirs.push(resolve(&grant.host));
                 }
                 dirs.push(DirGrant {
                     host_path: resolve(&grant.host),
@@ -356,6 +382,7 @@ impl DexaConfig {
                         .map(|(role, _)| *role)
                         .unwrap_or(ComponentRole::Tool),
                     dirs,
+                    create_dirs,
                     env: raw_component
                         .env
                         .iter()
@@ -373,6 +400,33 @@ impl DexaConfig {
                 RawModel::Scripted { responses } => ModelConfig::Scripted {
                     responses: resolve(responses),
                 },
+                RawModel::Openai {
+                    base_url,
+                    model: model_name,
+                    api_key_env,
+                } => {
+                    let expand = |v: &str| {
+                        expand_env(v)
+                            .map_err(|m| loc.at(model.span(), format!("model {name:?}: {m}")))
+                    };
+                    let base_url = expand(base_url.as_deref().unwrap_or(OPENAI_BASE_URL))?;
+                    let model_name = expand(model_name)?;
+                    let base_url = base_url.as_str();
+                    if !(base_url.starts_with("http://") || base_url.starts_with("https://")) {
+                        return Err(loc.at(
+                            model.span(),
+                            format!("model {name:?}: base_url {base_url:?} must start with http:// or https://"),
+                        ));
+                    }
+                    if model_name.trim().is_empty() {
+                        return Err(loc.at(model.span(), format!("model {name:?}: model is empty")));
+                    }
+                    ModelConfig::OpenAi {
+                        base_url: base_url.to_string(),
+                        model: model_name,
+                        api_key_env: api_key_env.clone(),
+                    }
+                }
             };
             models.insert(name.clone(), config);
         }
@@ -381,17 +435,19 @@ impl DexaConfig {
         for (name, agent) in &raw.agents {
             check_name(name, "agent").map_err(|m| loc.at(agent.span(), m))?;
             let raw_agent = agent.get_ref();
+            let mut model_name = None;
             if let Some(model) = &raw_agent.model {
-                if !raw.models.contains_key(model.get_ref().as_str()) {
+                let name = expand_env(model.get_ref()).map_err(|m| loc.at(model.span(), m))?;
+                if !raw.models.contains_key(name.as_str()) {
                     return Err(loc.at(
                         model.span(),
                         format!(
-                            "there is no model {:?}; the models are {}",
-                            model.get_ref(),
+                            "there is no model {name:?}; the models are {}",
                             names(raw.models.keys())
                         ),
                     ));
                 }
+                model_name = Some(name);
             }
             let mut seen = std::collections::BTreeSet::new();
             for tool in &raw_agent.tools {
@@ -435,7 +491,7 @@ impl DexaConfig {
                         .iter()
                         .map(|t| t.get_ref().clone())
                         .collect(),
-                    model: raw_agent.model.as_ref().map(|m| m.get_ref().clone()),
+                    model: model_name,
                     options,
                 },
             );
@@ -502,6 +558,42 @@ impl Locator<'_> {
         }
         Ok(parsed)
     }
+}
+
+/// Expands `${NAME}` and `${NAME:-default}` from the environment, so that
+/// one file can switch models by environment (`model = "${DEXA_MODEL:-replay}"`).
+pub fn expand_env(value: &str) -> Result<String, String> {
+    let mut out = String::with_capacity(value.len());
+    let mut rest = value;
+    while let Some(start) = rest.find("${") {
+        out.push_str(&rest[..start]);
+        let after = &rest[start + 2..];
+        let end = after
+            .find('}')
+            .ok_or_else(|| format!("{value:?}: `${{` without a closing `}}`"))?;
+        let inner = &after[..end];
+        let (name, default) = match inner.split_once(":-") {
+            Some((name, default)) => (name, Some(default)),
+            None => (inner, None),
+        };
+        if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+            return Err(format!(
+                "{value:?}: {name:?} is not an environment variable name"
+            ));
+        }
+        match (std::env::var(name).ok().filter(|v| !v.is_empty()), default) {
+            (Some(set), _) => out.push_str(&set),
+            (None, Some(default)) => out.push_str(default),
+            (None, None) => {
+                return Err(format!(
+                    "{value:?} needs the environment variable {name}, which is not set"
+                ))
+            }
+        }
+        rest = &after[end + 1..];
+    }
+    out.push_str(rest);
+    Ok(out)
 }
 
 /// `sqlite:PATH`, `sqlite://PATH` or a bare path.
@@ -667,6 +759,8 @@ tool_policies = { pay = { effect = "non_idempotent_write", requires_approval = f
             ("[components.a]\npath = \"a.wasm\"\n[agents.A]\nrunner = \"a\"\ntools = [\"a\"]\n", 5, "both as a runner and as a tool"),
             ("[components.r]\npath = \"r.wasm\"\n[agents.A]\nrunner = \"r\"\nmodel = \"gpt\"\n", 5, "there is no model \"gpt\""),
             ("[models.m]\nprovider = \"telepathy\"\n", 2, "unknown variant `telepathy`"),
+            ("[models.m]\nprovider = \"openai\"\nmodel = \"gpt\"\nbase_url = \"ftp://x\"\n", 1, "must start with http"),
+            ("[models.m]\nprovider = \"openai\"\n", 1, "missing field `model`"),
             ("[components.r]\npath = \"r.wasm\"\n[agents.A]\nrunner = \"r\"\ndefault_effect = \"maybe\"\n", 5, "unknown variant `maybe`"),
             ("[components.r]\npath = \"r.wasm\"\n[agents.A]\nrunner = \"r\"\nevents_capacity = 0\n", 5, "at least 1 byte"),
             ("[agents.A\n", 1, ""),
@@ -707,6 +801,31 @@ tool_policies = { pay = { effect = "non_idempotent_write", requires_approval = f
             agent.options.tool_policies["record_payment"],
             ToolPolicy::new(ToolEffect::IdempotentWrite).requires_approval(false)
         );
+    }
+
+    #[test]
+    fn environment_references_expand_with_defaults() {
+        // PATH and HOME are set in any test environment; the other is not.
+        let path = std::env::var("PATH").unwrap_or_default();
+        assert_eq!(expand_env("a-${PATH}-b"), Ok(format!("a-{path}-b")));
+        assert_eq!(
+            expand_env("${DEXA_SURELY_UNSET_VAR:-replay}"),
+            Ok("replay".to_string())
+        );
+        assert_eq!(expand_env("plain"), Ok("plain".to_string()));
+        let err = expand_env("${DEXA_SURELY_UNSET_VAR}").unwrap_err();
+        assert!(
+            err.contains("DEXA_SURELY_UNSET_VAR, which is not set"),
+            "{err}"
+        );
+        assert!(expand_env("${oops").is_err());
+        assert!(expand_env("${bad name}").is_err());
+        let config = parse(
+            "[components.r]\npath = \"r.wasm\"\n[models.replay]\nprovider = \"scripted\"\nresponses = \"x.json\"\n\
+             [agents.A]\nrunner = \"r\"\nmodel = \"${DEXA_SURELY_UNSET_VAR:-replay}\"\n",
+        )
+        .unwrap_or_else(|err| panic!("{err}"));
+        assert_eq!(config.agents["A"].model.as_deref(), Some("replay"));
     }
 
     #[test]

@@ -114,5 +114,6 @@ pub(crate) fn entry(
         final_attempt: task.attempt,
         at: now,
         detail: Some(detail),
+        started_at: Some(task.attempt_started_at),
     }
 }

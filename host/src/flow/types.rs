@@ -374,6 +374,10 @@ pub struct StepHistoryEntry {
     pub final_attempt: u32,
     pub at: StoreMillis,
     pub detail: Option<String>,
+    /// When the reported attempt started (none in stores from before this
+    /// was kept).
+    #[serde(default)]
+    pub started_at: Option<StoreMillis>,
 }
 
 /// History event types.

@@ -808,7 +808,7 @@ impl FlowStore for SqliteStore {
         self.read(move |conn, _| {
             let mut stmt = conn
                 .prepare(
-                    "SELECT event_type, step_type, step_execution_id, attempt, at_ms, detail
+                    "SELECT event_type, step_type, step_execution_id, attempt, at_ms, detail, started_at_ms
                      FROM step_history WHERE flow_id = ?1 ORDER BY entry_id",
                 )
                 .map_err(backend)?;
@@ -821,6 +821,7 @@ impl FlowStore for SqliteStore {
                         final_attempt: row.get(3)?,
                         at: row.get(4)?,
                         detail: row.get(5)?,
+                        started_at: row.get(6)?,
                     })
                 })
                 .map_err(backend)?

@@ -5,7 +5,7 @@ use rusqlite::Connection;
 use super::backend;
 use crate::flow::StoreError;
 
-const SCHEMA_VERSION: i64 = 1;
+const SCHEMA_VERSION: i64 = 2;
 
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS flows (
@@ -96,7 +96,8 @@ CREATE TABLE IF NOT EXISTS step_history (
     step_execution_id  TEXT NOT NULL,
     attempt            INTEGER NOT NULL,
     at_ms              INTEGER NOT NULL,
-    detail             TEXT
+    detail             TEXT,
+    started_at_ms      INTEGER
 );
 CREATE INDEX IF NOT EXISTS step_history_by_flow ON step_history (flow_id, entry_id);
 
@@ -123,6 +124,11 @@ pub(super) fn migrate(conn: &mut Connection) -> Result<(), StoreError> {
         .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
         .map_err(backend)?;
     tx.execute_batch(SCHEMA).map_err(backend)?;
+    // Schema 2: when each history entry's attempt started.
+    if version == 1 {
+        tx.execute_batch("ALTER TABLE step_history ADD COLUMN started_at_ms INTEGER")
+            .map_err(backend)?;
+    }
     tx.pragma_update(None, "user_version", SCHEMA_VERSION)
         .map_err(backend)?;
     tx.commit().map_err(backend)

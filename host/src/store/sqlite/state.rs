@@ -395,8 +395,8 @@ pub(super) fn insert_history(
     entry: &StepHistoryEntry,
 ) -> Result<(), StoreError> {
     cached_execute(conn,
-        "INSERT INTO step_history (flow_id, event_type, step_type, step_execution_id, attempt, at_ms, detail)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+        "INSERT INTO step_history (flow_id, event_type, step_type, step_execution_id, attempt, at_ms, detail, started_at_ms)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
         params![
             flow_id,
             entry.event_type,
@@ -405,6 +405,7 @@ pub(super) fn insert_history(
             entry.final_attempt,
             entry.at,
             entry.detail.as_deref().filter(|d| !d.is_empty()),
+            entry.started_at,
         ],
     )
     .map_err(backend)?;

@@ -1,0 +1,234 @@
+//! `chat-runner`: the plain agent loop, as a runner component. Each
+//! `run-model-step` sends the conversation and the session's tools to the
+//! host's model (`model.complete`); tool calls in the answer become deferred
+//! tool calls (each its own durable Step on the host), and the next step
+//! sends their outcomes back to the model. An answer without tool calls ends
+//! the turn.
+//!
+//! Config keys: `system_prompt`, `temperature`, `max_output_tokens`.
+//!
+//! Each stored message's `framework_item` is the model message as JSON, so
+//! later turns replay the conversation to the model exactly, tool calls
+//! included.
+
+use dex::agents::types::{
+    AgentMessage, DeferredToolCall, MessageRole, ModelMessage, ModelRequest, ModelToolCall,
+    ToolCallRecord, ToolCallsRequested, TurnCompleted, Usage,
+};
+use dex::agents::{config, model, policy};
+use serde::{Deserialize, Serialize};
+
+wit_bindgen::generate!({ path: "../../wit", world: "dex:agents/runner" });
+
+struct ChatRunner;
+
+/// A model message as JSON (the framework item).
+#[derive(Serialize, Deserialize, Clone)]
+struct Item {
+    role: String,
+    #[serde(default)]
+    content: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    tool_calls: Vec<ItemToolCall>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    tool_call_id: Option<String>,
+}
+
+#[derive(Serialize, Deserialize, Clone)]
+struct ItemToolCall {
+    id: String,
+    name: String,
+    arguments: String,
+}
+
+/// What the runner keeps between the model calls of one turn.
+#[derive(Serialize, Deserialize, Default)]
+struct RunState {
+    /// This turn's messages after the user's: assistant tool calls and tool
+    /// results.
+    items: Vec<Item>,
+    /// Tool calls of the last answer, waiting for their records.
+    pending: Vec<String>,
+}
+
+fn role_name(role: MessageRole) -> &'static str {
+    match role {
+        MessageRole::System => "system",
+        MessageRole::User => "user",
+        MessageRole::Assistant => "assistant",
+        MessageRole::Tool => "tool",
+    }
+}
+
+fn role_of(name: &str) -> MessageRole {
+    match name {
+        "system" => MessageRole::System,
+        "assistant" => MessageRole::Assistant,
+        "tool" => MessageRole::Tool,
+        _ => MessageRole::User,
+    }
+}
+
+fn to_model(item: &Item) -> ModelMessage {
+    ModelMessage {
+        role: role_of(&item.role),
+        content: item.content.clone(),
+        tool_calls: item
+            .tool_calls
+            .iter()
+            .map(|c| ModelToolCall {
+                id: c.id.clone(),
+                name: c.name.clone(),
+                arguments: c.arguments.clone(),
+            })
+            .collect(),
+        tool_call_id: item.tool_call_id.clone(),
+    }
+}
+
+/// A stored message back as an item: its own framework item when it is one
+/// of ours, else its role and text (messages the host wrote, such as the
+/// turn-failure note, were built by `build-user-message` too).
+fn stored_item(message: &AgentMessage) -> Item {
+    serde_json::from_str::<Item>(&message.framework_item).unwrap_or_else(|_| Item {
+        role: role_name(message.role).to_string(),
+        content: message.text.clone(),
+        tool_calls: Vec::new(),
+        tool_call_id: None,
+    })
+}
+
+fn framework_message(item: &Item) -> Result<FrameworkMessage, String> {
+    Ok(FrameworkMessage {
+        role: role_of(&item.role),
+        framework_item: serde_json::to_string(item).map_err(|err| err.to_string())?,
+        text: item.content.clone(),
+    })
+}
+
+fn outcome_item(record: &ToolCallRecord) -> Item {
+    Item {
+        role: "tool".to_string(),
+        content: Some(policy::describe_tool_call_outcome(record)),
+        tool_calls: Vec::new(),
+        tool_call_id: Some(record.tool_call_id.clone()),
+    }
+}
+
+impl Guest for ChatRunner {
+    fn build_user_message(text: String) -> FrameworkMessage {
+        let item = Item {
+            role: "user".to_string(),
+            content: Some(text.clone()),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+        };
+        FrameworkMessage {
+            role: MessageRole::User,
+            framework_item: serde_json::to_string(&item).unwrap_or_default(),
+            text: Some(text),
+        }
+    }
+
+    fn run_model_step(turn: TurnContext) -> Result<TurnOutcome, String> {
+        let mut state = match &turn.framework_run_state {
+            None => RunState::default(),
+            Some(text) => serde_json::from_str::<RunState>(text)
+                .map_err(|err| format!("run state is not chat-runner's: {err}"))?,
+        };
+        for id in std::mem::take(&mut state.pending) {
+            let record = turn
+                .tool_calls
+                .iter()
+                .find(|r| r.tool_call_id == id)
+                .ok_or_else(|| format!("no record for tool call {id:?}"))?;
+            state.items.push(outcome_item(record));
+        }
+
+        let mut messages = Vec::new();
+        if let Some(prompt) = config::get("system_prompt").filter(|p| !p.trim().is_empty()) {
+            messages.push(ModelMessage {
+                role: MessageRole::System,
+                content: Some(prompt),
+                tool_calls: Vec::new(),
+                tool_call_id: None,
+            });
+        }
+        messages.extend(turn.messages.iter().map(|m| to_model(&stored_item(m))));
+        messages.extend(state.items.iter().map(to_model));
+        let request = ModelRequest {
+            messages,
+            tools: turn.tools.clone(),
+            temperature: config::get("temperature").and_then(|t| t.parse().ok()),
+            max_output_tokens: config::get("max_output_tokens").and_then(|t| t.parse().ok()),
+        };
+        let response =
+            model::complete(&request).map_err(|err| format!("the model call failed: {err:?}"))?;
+        let usage = response.usage;
+        let answer = Item {
+            role: "assistant".to_string(),
+            content: response.message.content.clone(),
+            tool_calls: response
+                .message
+                .tool_calls
+                .iter()
+                .map(|c| ItemToolCall {
+                    id: c.id.clone(),
+                    name: c.name.clone(),
+                    arguments: c.arguments.clone(),
+                })
+                .collect(),
+            tool_call_id: None,
+        };
+        if answer.tool_calls.is_empty() {
+            state.items.push(answer);
+            let new_messages = state
+                .items
+                .iter()
+                .map(framework_message)
+                .collect::<Result<Vec<_>, _>>()?;
+            return Ok(TurnOutcome::Completed(TurnCompleted {
+                new_messages,
+                usage,
+            }));
+        }
+        let tool_calls: Vec<DeferredToolCall> = answer
+            .tool_calls
+            .iter()
+            .map(|call| DeferredToolCall {
+                tool_call_id: call.id.clone(),
+                tool_name: call.name.clone(),
+                arguments: call.arguments.clone(),
+                // The effect the tool declares is the framework's effect;
+                // the operator's explicit policy still wins in the host.
+                policy: policy::resolve_tool_policy(
+                    &call.name,
+                    turn.tools
+                        .iter()
+                        .find(|t| t.name == call.name)
+                        .and_then(|t| t.effect),
+                ),
+            })
+            .collect();
+        state.pending = tool_calls.iter().map(|c| c.tool_call_id.clone()).collect();
+        state.items.push(answer);
+        Ok(TurnOutcome::ToolCallsRequested(ToolCallsRequested {
+            framework_run_state: serde_json::to_string(&state).map_err(|err| err.to_string())?,
+            tool_calls,
+            usage: Usage {
+                input_tokens: usage.input_tokens,
+                output_tokens: usage.output_tokens,
+                total_tokens: usage.total_tokens,
+            },
+        }))
+    }
+
+    fn execute_deferred_tool_call(call: DeferredToolExecution) -> Result<String, ToolError> {
+        Err(ToolError::Execution(format!(
+            "no tool component serves {:?}, and chat-runner runs no tools itself",
+            call.tool_call.tool_name
+        )))
+    }
+}
+
+export!(ChatRunner);

@@ -1,0 +1,117 @@
+//! API errors: a status code and a typed JSON body,
+//! `{"error": {"code": "...", "message": "..."}}`.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+use crate::flow::{FlowError, RpcError, StoreError};
+use crate::session::SessionError;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiError {
+    pub status: StatusCode,
+    /// Stable and machine-readable: `not_found`, `conflict`...
+    pub code: &'static str,
+    pub message: String,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            code,
+            message: message.into(),
+        }
+    }
+
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "bad_request", message)
+    }
+
+    pub fn not_found(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::NOT_FOUND, "not_found", message)
+    }
+
+    pub fn unauthorized() -> Self {
+        Self::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "send the API token as `Authorization: Bearer <token>`",
+        )
+    }
+
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", message)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = json!({"error": {"code": self.code, "message": self.message}});
+        let mut response = (self.status, axum::Json(body)).into_response();
+        if self.status == StatusCode::UNAUTHORIZED {
+            response.headers_mut().insert(
+                axum::http::header::WWW_AUTHENTICATE,
+                axum::http::HeaderValue::from_static("Bearer"),
+            );
+        }
+        response
+    }
+}
+
+impl From<StoreError> for ApiError {
+    fn from(err: StoreError) -> Self {
+        match &err {
+            StoreError::FlowExists { .. } => {
+                Self::new(StatusCode::CONFLICT, "already_exists", err.to_string())
+            }
+            StoreError::NoSuchFlow { .. } => Self::not_found(err.to_string()),
+            StoreError::Conflict(_) | StoreError::StaleLease { .. } => {
+                Self::new(StatusCode::CONFLICT, "conflict", err.to_string())
+            }
+            _ => Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "store_unavailable",
+                err.to_string(),
+            ),
+        }
+    }
+}
+
+impl From<RpcError> for ApiError {
+    fn from(err: RpcError) -> Self {
+        match err {
+            RpcError::LockConflict { .. } => Self::new(
+                StatusCode::CONFLICT,
+                "busy",
+                format!("{err}; a Step holds it, try again shortly"),
+            ),
+            RpcError::Rejected(message) => Self::bad_request(message),
+            RpcError::Store(err) => err.into(),
+        }
+    }
+}
+
+impl From<FlowError> for ApiError {
+    fn from(err: FlowError) -> Self {
+        match err {
+            FlowError::Store(err) => err.into(),
+            FlowError::Rpc(err) => err.into(),
+            FlowError::Registry(err) => Self::bad_request(err.to_string()),
+        }
+    }
+}
+
+impl From<SessionError> for ApiError {
+    fn from(err: SessionError) -> Self {
+        match err {
+            SessionError::NoSuchSession(_) => Self::not_found(err.to_string()),
+            SessionError::NotRunning { .. } => {
+                Self::new(StatusCode::CONFLICT, "not_running", err.to_string())
+            }
+            SessionError::Flow(err) => err.into(),
+            SessionError::Rpc(err) => err.into(),
+        }
+    }
+}

@@ -1,0 +1,414 @@
+//! The HTTP API of `dexa serve`: JSON for every session RPC, a Server-Sent
+//! Events stream per session (resumable with `Last-Event-ID`), the OpenAPI
+//! document at `/openapi.json`, and bearer-token auth on everything under
+//! `/v1`.
+
+pub mod error;
+pub mod openapi;
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::rejection::{JsonRejection, QueryRejection};
+use axum::extract::{Path, Query, Request, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::middleware::Next;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{Html, IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures_util::Stream;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use subtle::ConstantTimeEq;
+
+pub use error::ApiError;
+
+use crate::config::Deployment;
+use crate::flow::FlowInfo;
+use crate::session::{
+    AgentEvent, AgentSessionClient, ListAgentMessagesRequest, ResolveInterruptRequest,
+};
+
+/// How often an SSE stream looks for new events (other processes write them).
+const EVENT_POLL: Duration = Duration::from_millis(50);
+/// The web viewer's page.
+const VIEWER: &str = include_str!("viewer.html");
+/// Longest accepted session id.
+const MAX_SESSION_ID: usize = 200;
+
+/// What every handler shares.
+#[derive(Clone)]
+pub struct ApiState {
+    pub deployment: Arc<Deployment>,
+    /// The bearer token; none turns auth off (tests and loopback demos only).
+    pub token: Option<Arc<String>>,
+}
+
+/// The whole application: the API, the OpenAPI document and health.
+pub fn router(state: ApiState) -> Router {
+    let api = Router::new()
+        .route("/v1/agents", get(list_agents))
+        .route("/v1/agents/{agent}/sessions", post(start_session))
+        .route("/v1/sessions", get(list_sessions))
+        .route("/v1/sessions/{session_id}", get(get_snapshot))
+        .route(
+            "/v1/sessions/{session_id}/messages",
+            get(list_messages).post(send_message),
+        )
+        .route(
+            "/v1/sessions/{session_id}/interrupts",
+            post(resolve_interrupt),
+        )
+        .route("/v1/sessions/{session_id}/stop", post(stop_session))
+        .route("/v1/sessions/{session_id}/history", get(step_history))
+        .route("/v1/sessions/{session_id}/events", get(events))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            require_token,
+        ));
+    Router::new()
+        .merge(api)
+        .route("/openapi.json", get(|| async { Json(openapi::document()) }))
+        .route("/healthz", get(|| async { Json(json!({"ok": true})) }))
+        // The web viewer: a static page; it calls the API with the token the
+        // user pastes (kept in the browser's localStorage).
+        .route("/", get(|| async { Html(VIEWER) }))
+        .fallback(|| async { ApiError::not_found("no such route; see /openapi.json") })
+        .method_not_allowed_fallback(|| async {
+            ApiError::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method_not_allowed",
+                "this route does not take that method; see /openapi.json",
+            )
+        })
+        .with_state(state)
+}
+
+async fn require_token(State(state): State<ApiState>, request: Request, next: Next) -> Response {
+    if let Some(token) = &state.token {
+        let presented = request
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .unwrap_or("");
+        let matches: bool = presented.as_bytes().ct_eq(token.as_bytes()).into();
+        if !matches {
+            return ApiError::unauthorized().into_response();
+        }
+    }
+    next.run(request).await
+}
+
+fn body<T>(payload: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> {
+    payload
+        .map(|Json(value)| value)
+        .map_err(|rejection| ApiError::bad_request(rejection.body_text()))
+}
+
+fn query<T>(params: Result<Query<T>, QueryRejection>) -> Result<T, ApiError> {
+    params
+        .map(|Query(value)| value)
+        .map_err(|rejection| ApiError::bad_request(rejection.body_text()))
+}
+
+impl ApiState {
+    fn agent(&self, agent: &str) -> Result<AgentSessionClient, ApiError> {
+        if !self.deployment.config.agents.contains_key(agent) {
+            return Err(ApiError::not_found(format!("there is no agent {agent:?}")));
+        }
+        self.deployment
+            .sessions(agent)
+            .map_err(|err| ApiError::internal(format!("{err:#}")))
+    }
+
+    /// The session's client, by the agent that owns it.
+    async fn session(&self, session_id: &str) -> Result<(AgentSessionClient, FlowInfo), ApiError> {
+        let flow = self
+            .deployment
+            .store
+            .flow(session_id)
+            .await?
+            .ok_or_else(|| ApiError::not_found(format!("session {session_id:?} does not exist")))?;
+        if !self.deployment.config.agents.contains_key(&flow.flow_type) {
+            return Err(ApiError::not_found(format!(
+                "session {session_id:?} belongs to {:?}, which this server does not serve",
+                flow.flow_type
+            )));
+        }
+        Ok((self.agent(&flow.flow_type)?, flow))
+    }
+}
+
+async fn list_agents(State(state): State<ApiState>) -> Json<Value> {
+    let agents: Vec<Value> = state
+        .deployment
+        .config
+        .agents
+        .values()
+        .map(|agent| {
+            json!({
+                "name": agent.name,
+                "runner": agent.runner,
+                "tool_components": agent.tools,
+                "model": agent.model,
+            })
+        })
+        .collect();
+    Json(json!({ "agents": agents }))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StartSessionBody {
+    #[serde(default)]
+    session_id: Option<String>,
+    /// Blank starts no turn.
+    #[serde(default)]
+    message: String,
+}
+
+fn check_session_id(id: &str) -> Result<(), ApiError> {
+    if id.trim().is_empty() || id.len() > MAX_SESSION_ID || id.chars().any(char::is_control) {
+        return Err(ApiError::bad_request(format!(
+            "session_id must be 1 to {MAX_SESSION_ID} bytes with no control characters"
+        )));
+    }
+    Ok(())
+}
+
+fn new_session_id(agent: &str) -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let millis = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis())
+        .unwrap_or(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    format!(
+        "{}-{millis:x}-{:x}{n}",
+        agent.to_ascii_lowercase(),
+        std::process::id()
+    )
+}
+
+async fn start_session(
+    State(state): State<ApiState>,
+    Path(agent): Path<String>,
+    payload: Result<Json<StartSessionBody>, JsonRejection>,
+) -> Result<(StatusCode, Json<Value>), ApiError> {
+    let request = body(payload)?;
+    let sessions = state.agent(&agent)?;
+    let session_id = match request.session_id {
+        Some(id) => {
+            check_session_id(&id)?;
+            id
+        }
+        None => new_session_id(&agent),
+    };
+    sessions
+        .start_session(&session_id, &request.message)
+        .await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({"session_id": session_id, "agent": agent})),
+    ))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ListSessionsQuery {
+    #[serde(default)]
+    agent: Option<String>,
+    #[serde(default)]
+    limit: Option<usize>,
+}
+
+async fn list_sessions(
+    State(state): State<ApiState>,
+    params: Result<Query<ListSessionsQuery>, QueryRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let params = query(params)?;
+    if let Some(agent) = &params.agent {
+        state.agent(agent)?;
+    }
+    let limit = params.limit.unwrap_or(100).clamp(1, 1000);
+    let flows = state
+        .deployment
+        .store
+        .list_flows(params.agent.as_deref(), limit)
+        .await?;
+    let sessions: Vec<Value> = flows
+        .into_iter()
+        .filter(|f| state.deployment.config.agents.contains_key(&f.flow_type))
+        .map(|f| {
+            json!({
+                "session_id": f.flow_id, "agent": f.flow_type, "status": f.status,
+                "created_at": f.created_at, "updated_at": f.updated_at, "error": f.error,
+            })
+        })
+        .collect();
+    Ok(Json(json!({ "sessions": sessions })))
+}
+
+async fn get_snapshot(
+    State(state): State<ApiState>,
+    Path(session_id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let (sessions, flow) = state.session(&session_id).await?;
+    let snapshot = sessions.get_agent_snapshot(&session_id).await?;
+    let mut value =
+        serde_json::to_value(snapshot).map_err(|err| ApiError::internal(err.to_string()))?;
+    value["agent"] = json!(flow.flow_type);
+    Ok(Json(value))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SendMessageBody {
+    text: String,
+}
+
+async fn send_message(
+    State(state): State<ApiState>,
+    Path(session_id): Path<String>,
+    payload: Result<Json<SendMessageBody>, JsonRejection>,
+) -> Result<(StatusCode, Json<Value>), ApiError> {
+    let request = body(payload)?;
+    let (sessions, _) = state.session(&session_id).await?;
+    if !sessions
+        .send_user_message(&session_id, &request.text)
+        .await?
+    {
+        return Err(ApiError::bad_request("text is blank; nothing was queued"));
+    }
+    Ok((StatusCode::ACCEPTED, Json(json!({"queued": true}))))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MessagesQuery {
+    #[serde(default)]
+    after_sequence: Option<u64>,
+    #[serde(default)]
+    limit: Option<u32>,
+}
+
+async fn list_messages(
+    State(state): State<ApiState>,
+    Path(session_id): Path<String>,
+    params: Result<Query<MessagesQuery>, QueryRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let params = query(params)?;
+    let (sessions, _) = state.session(&session_id).await?;
+    let page = sessions
+        .list_agent_messages(
+            &session_id,
+            ListAgentMessagesRequest {
+                after_sequence: params.after_sequence,
+                limit: params.limit.unwrap_or(50),
+            },
+        )
+        .await?;
+    Ok(Json(
+        serde_json::to_value(page).map_err(|err| ApiError::internal(err.to_string()))?,
+    ))
+}
+
+async fn resolve_interrupt(
+    State(state): State<ApiState>,
+    Path(session_id): Path<String>,
+    payload: Result<Json<ResolveInterruptRequest>, JsonRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let request = body(payload)?;
+    let (sessions, _) = state.session(&session_id).await?;
+    let resolved = sessions.resolve_interrupt(&session_id, request).await?;
+    Ok(Json(json!({ "resolved": resolved })))
+}
+
+async fn stop_session(
+    State(state): State<ApiState>,
+    Path(session_id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let (sessions, _) = state.session(&session_id).await?;
+    let stopped = sessions.stop_session(&session_id).await?;
+    Ok(Json(json!({ "stopped": stopped })))
+}
+
+async fn step_history(
+    State(state): State<ApiState>,
+    Path(session_id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    state.session(&session_id).await?;
+    let steps = state.deployment.store.step_history(&session_id).await?;
+    Ok(Json(json!({ "steps": steps })))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EventsQuery {
+    /// Start after this event id (as `Last-Event-ID` does).
+    #[serde(default)]
+    after: Option<i64>,
+}
+
+/// The session's events as SSE: `id` is the stream sequence, `event` the
+/// event type, `data` the event as JSON. Reconnecting with `Last-Event-ID`
+/// (or `?after=`) resumes after that event.
+async fn events(
+    State(state): State<ApiState>,
+    Path(session_id): Path<String>,
+    headers: HeaderMap,
+    params: Result<Query<EventsQuery>, QueryRejection>,
+) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, ApiError> {
+    let params = query(params)?;
+    let (sessions, _) = state.session(&session_id).await?;
+    let last_event_id = match headers.get("last-event-id") {
+        None => None,
+        Some(value) => Some(
+            value
+                .to_str()
+                .ok()
+                .and_then(|v| v.trim().parse::<i64>().ok())
+                .ok_or_else(|| ApiError::bad_request("Last-Event-ID must be an event id"))?,
+        ),
+    };
+    let after = last_event_id.or(params.after).unwrap_or(0);
+    let stream = futures_util::stream::unfold(
+        (
+            sessions,
+            session_id,
+            after,
+            VecDeque::<(i64, AgentEvent)>::new(),
+        ),
+        |(sessions, session_id, mut after, mut buffered)| async move {
+            loop {
+                if let Some((seq, event)) = buffered.pop_front() {
+                    let sse = Event::default()
+                        .id(seq.to_string())
+                        .event(event.event_type.clone())
+                        .json_data(&event)
+                        .unwrap_or_else(|_| Event::default().comment("unencodable event"));
+                    return Some((Ok(sse), (sessions, session_id, after, buffered)));
+                }
+                match sessions.read_events(&session_id, after, 200).await {
+                    Ok((page, _)) if !page.is_empty() => {
+                        if let Some((last, _)) = page.last() {
+                            after = *last;
+                        }
+                        buffered.extend(page);
+                    }
+                    Ok(_) => tokio::time::sleep(EVENT_POLL).await,
+                    Err(err) => {
+                        tracing::warn!(session_id, error = %err, "event stream ended");
+                        return None;
+                    }
+                }
+            }
+        },
+    );
+    Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))))
+}

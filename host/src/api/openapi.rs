@@ -1,0 +1,167 @@
+//! The OpenAPI 3.1 document served at `/openapi.json`. Tests check that every
+//! operation it lists is routed and that every `$ref` resolves.
+
+use serde_json::{json, Value};
+
+fn error_responses(codes: &[u16]) -> Value {
+    let mut responses = serde_json::Map::new();
+    for code in codes {
+        let description = match code {
+            400 => "Bad input: the body, a query parameter or a header is invalid",
+            401 => "No valid bearer token",
+            404 => "No such agent or session",
+            409 => "Conflict: the session exists, is not running, or a Step holds a lock",
+            _ => "Error",
+        };
+        responses.insert(
+            code.to_string(),
+            json!({"description": description, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}),
+        );
+    }
+    Value::Object(responses)
+}
+
+fn with_errors(mut ok: Value, codes: &[u16]) -> Value {
+    if let (Some(ok), Value::Object(errors)) = (ok.as_object_mut(), error_responses(codes)) {
+        ok.extend(errors);
+    }
+    ok
+}
+
+fn json_body(schema: &str) -> Value {
+    json!({"required": true, "content": {"application/json": {"schema": {"$ref": format!("#/components/schemas/{schema}")}}}})
+}
+
+fn json_ok(description: &str, schema: &str) -> Value {
+    json!({"description": description, "content": {"application/json": {"schema": {"$ref": format!("#/components/schemas/{schema}")}}}})
+}
+
+fn session_param() -> Value {
+    json!({"name": "session_id", "in": "path", "required": true, "schema": {"type": "string"}})
+}
+
+pub fn document() -> Value {
+    json!({
+        "openapi": "3.1.0",
+        "info": {
+            "title": "dexa",
+            "version": env!("CARGO_PKG_VERSION"),
+            "description": "Durable agent sessions whose runner and tools are sandboxed WebAssembly components. Every /v1 route needs `Authorization: Bearer <token>`."
+        },
+        "security": [{"bearer": []}],
+        "paths": {
+            "/v1/agents": {"get": {
+                "operationId": "listAgents", "summary": "The agents this server runs",
+                "responses": with_errors(json!({"200": json_ok("The agents", "AgentList")}), &[401])
+            }},
+            "/v1/agents/{agent}/sessions": {"post": {
+                "operationId": "startSession", "summary": "Start a session; a non-blank message starts its first turn",
+                "parameters": [{"name": "agent", "in": "path", "required": true, "schema": {"type": "string"}}],
+                "requestBody": json_body("StartSession"),
+                "responses": with_errors(json!({"201": json_ok("Started", "SessionStarted")}), &[400, 401, 404, 409])
+            }},
+            "/v1/sessions": {"get": {
+                "operationId": "listSessions", "summary": "Sessions, newest first",
+                "parameters": [
+                    {"name": "agent", "in": "query", "schema": {"type": "string"}},
+                    {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 1000, "default": 100}}
+                ],
+                "responses": with_errors(json!({"200": json_ok("Sessions", "SessionList")}), &[400, 401, 404])
+            }},
+            "/v1/sessions/{session_id}": {"get": {
+                "operationId": "getAgentSnapshot", "summary": "The session as a UI draws it (last 200 messages)",
+                "parameters": [session_param()],
+                "responses": with_errors(json!({"200": json_ok("The snapshot", "AgentSnapshot")}), &[401, 404])
+            }},
+            "/v1/sessions/{session_id}/messages": {
+                "get": {
+                    "operationId": "listAgentMessages", "summary": "Messages oldest first, paged",
+                    "parameters": [
+                        session_param(),
+                        {"name": "after_sequence", "in": "query", "schema": {"type": "integer", "minimum": 0}},
+                        {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 200, "default": 50}}
+                    ],
+                    "responses": with_errors(json!({"200": json_ok("A page", "AgentMessagesPage")}), &[400, 401, 404])
+                },
+                "post": {
+                    "operationId": "sendUserMessage", "summary": "Queue a user message; it starts the next turn",
+                    "parameters": [session_param()],
+                    "requestBody": json_body("SendMessage"),
+                    "responses": with_errors(json!({"202": json_ok("Queued", "Queued")}), &[400, 401, 404, 409])
+                }
+            },
+            "/v1/sessions/{session_id}/interrupts": {"post": {
+                "operationId": "resolveInterrupt", "summary": "Approve or reject a pending tool call",
+                "parameters": [session_param()],
+                "requestBody": json_body("ResolveInterrupt"),
+                "responses": with_errors(json!({"200": json_ok("Whether it was pending and is now resolved", "Resolved")}), &[400, 401, 404, 409])
+            }},
+            "/v1/sessions/{session_id}/stop": {"post": {
+                "operationId": "stopSession", "summary": "Stop the session; its state stays readable",
+                "parameters": [session_param()],
+                "responses": with_errors(json!({"200": json_ok("Whether it was running", "Stopped")}), &[401, 404])
+            }},
+            "/v1/sessions/{session_id}/history": {"get": {
+                "operationId": "getStepHistory", "summary": "Completed and failed Steps, oldest first",
+                "parameters": [session_param()],
+                "responses": with_errors(json!({"200": json_ok("The Step history", "StepHistory")}), &[401, 404])
+            }},
+            "/v1/sessions/{session_id}/events": {"get": {
+                "operationId": "streamEvents",
+                "summary": "Server-Sent Events: id is the event's sequence, event its type, data the AgentEvent; resume with Last-Event-ID",
+                "parameters": [
+                    session_param(),
+                    {"name": "Last-Event-ID", "in": "header", "schema": {"type": "integer"}},
+                    {"name": "after", "in": "query", "schema": {"type": "integer"}}
+                ],
+                "responses": with_errors(json!({"200": {"description": "An endless event stream", "content": {"text/event-stream": {"schema": {"$ref": "#/components/schemas/AgentEvent"}}}}}), &[400, 401, 404])
+            }}
+        },
+        "components": {
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "schemas": {
+                "Error": {"type": "object", "required": ["error"], "properties": {"error": {"type": "object", "required": ["code", "message"], "properties": {
+                    "code": {"type": "string", "enum": ["bad_request", "unauthorized", "not_found", "already_exists", "conflict", "not_running", "busy", "method_not_allowed", "store_unavailable", "internal"]},
+                    "message": {"type": "string"}}}}},
+                "AgentList": {"type": "object", "properties": {"agents": {"type": "array", "items": {"type": "object", "properties": {
+                    "name": {"type": "string"}, "runner": {"type": "string"}, "tool_components": {"type": "array", "items": {"type": "string"}}, "model": {"type": ["string", "null"]}}}}}},
+                "StartSession": {"type": "object", "properties": {"session_id": {"type": "string", "description": "Generated when absent"}, "message": {"type": "string"}}, "additionalProperties": false},
+                "SessionStarted": {"type": "object", "properties": {"session_id": {"type": "string"}, "agent": {"type": "string"}}},
+                "SessionList": {"type": "object", "properties": {"sessions": {"type": "array", "items": {"type": "object", "properties": {
+                    "session_id": {"type": "string"}, "agent": {"type": "string"}, "status": {"$ref": "#/components/schemas/FlowStatus"},
+                    "created_at": {"type": "integer"}, "updated_at": {"type": "integer"}, "error": {"type": ["string", "null"]}}}}}},
+                "FlowStatus": {"type": "string", "enum": ["running", "completed", "failed", "stopped"]},
+                "SendMessage": {"type": "object", "required": ["text"], "properties": {"text": {"type": "string"}}, "additionalProperties": false},
+                "Queued": {"type": "object", "properties": {"queued": {"type": "boolean"}}},
+                "ResolveInterrupt": {"type": "object", "required": ["interrupt_id", "approved"], "properties": {
+                    "interrupt_id": {"type": "string", "description": "<turn_id>/<tool_call_id>"}, "approved": {"type": "boolean"}, "rejection_message": {"type": ["string", "null"]}}},
+                "Resolved": {"type": "object", "properties": {"resolved": {"type": "boolean"}}},
+                "Stopped": {"type": "object", "properties": {"stopped": {"type": "boolean"}}},
+                "AgentMessage": {"type": "object", "properties": {
+                    "sequence": {"type": "integer"}, "turn_id": {"type": "string"}, "role": {"type": "string", "enum": ["system", "user", "assistant", "tool"]},
+                    "framework_item": {"type": "string"}, "text": {"type": ["string", "null"]}}},
+                "AgentMessagesPage": {"type": "object", "properties": {
+                    "messages": {"type": "array", "items": {"$ref": "#/components/schemas/AgentMessage"}}, "next_after_sequence": {"type": ["integer", "null"]}}},
+                "AgentToolCall": {"type": "object", "properties": {
+                    "tool_call_id": {"type": "string"}, "turn_id": {"type": "string"}, "tool_name": {"type": "string"}, "arguments": {"type": "string"},
+                    "effect": {"type": "string", "enum": ["read", "idempotent_write", "non_idempotent_write", "unclassified"]},
+                    "requires_approval": {"type": "boolean"},
+                    "status": {"type": "string", "enum": ["pending", "approved", "rejected", "succeeded", "failed", "outcome_unknown"]},
+                    "output": {"type": ["string", "null"]}, "error": {"type": ["string", "null"]}, "rejection_message": {"type": ["string", "null"]}, "deferral_order": {"type": "integer"}}},
+                "AgentSnapshot": {"type": "object", "properties": {
+                    "session_id": {"type": "string"}, "agent": {"type": "string"}, "flow_status": {"$ref": "#/components/schemas/FlowStatus"},
+                    "state": {"type": ["object", "null"]},
+                    "messages": {"type": "array", "items": {"$ref": "#/components/schemas/AgentMessage"}},
+                    "pending_interrupts": {"type": "array", "items": {"type": "object"}},
+                    "tool_calls": {"type": "array", "items": {"$ref": "#/components/schemas/AgentToolCall"}},
+                    "usage": {"type": "object"}, "queued_message_count": {"type": "integer"}}},
+                "StepHistory": {"type": "object", "properties": {"steps": {"type": "array", "items": {"type": "object", "properties": {
+                    "event_type": {"type": "string", "enum": ["execute_completed", "attempt_failed", "execute_failed", "redelivered"]},
+                    "step_type": {"type": "string"}, "step_execution_id": {"type": "string"}, "final_attempt": {"type": "integer"},
+                    "at": {"type": "integer"}, "detail": {"type": ["string", "null"]}}}}}},
+                "AgentEvent": {"type": "object", "properties": {
+                    "type": {"type": "string"}, "turn_id": {"type": "string"}, "step_execution_id": {"type": "string"}, "attempt": {"type": "integer"}, "data": {"type": "object"}}}
+            }
+        }
+    })
+}

@@ -1,0 +1,315 @@
+//! `dexa chat <agent>`: an interactive session in the terminal. Text streams
+//! as it is produced, tool calls show as they start and finish, approvals are
+//! asked y/n, and a restarted `dexa chat` reattaches to the same session.
+//!
+//! It runs a worker in-process unless `--no-worker` (then `dexa serve` or
+//! `dexa worker` must be running on the same store).
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+use tokio::io::{AsyncBufReadExt, BufReader, Lines, Stdin};
+
+use super::worker::print_progress;
+use crate::config::{Deployment, DexaConfig};
+use crate::flow::FlowStatus;
+use crate::session::{event_type, AgentSessionClient, ResolveInterruptRequest};
+
+#[derive(Args, Debug)]
+pub struct ChatArgs {
+    /// The agent to talk to.
+    pub agent: String,
+    /// The config file.
+    #[arg(long, short, default_value = crate::config::DEFAULT_CONFIG_FILE, env = "DEXA_CONFIG")]
+    pub config: PathBuf,
+    /// Attach to this session (default: the last chat with this agent, or a
+    /// new one).
+    #[arg(long)]
+    pub session: Option<String>,
+    /// Start a new session even if a previous chat can be resumed.
+    #[arg(long)]
+    pub new: bool,
+    /// Do not run a worker here.
+    #[arg(long)]
+    pub no_worker: bool,
+}
+
+/// How often the chat looks for new events.
+const POLL: Duration = Duration::from_millis(30);
+
+struct Chat {
+    sessions: AgentSessionClient,
+    session_id: String,
+    lines: Lines<BufReader<Stdin>>,
+    /// The last event shown.
+    cursor: i64,
+}
+
+fn out(text: &str) {
+    print!("{text}");
+    let _ = std::io::stdout().flush();
+}
+
+/// Where the last chat with `agent` is remembered: next to the config.
+fn memory_file(config: &DexaConfig, agent: &str) -> PathBuf {
+    config
+        .file
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."))
+        .join(".dexa")
+        .join("chat")
+        .join(format!("{agent}.session"))
+}
+
+pub async fn run(args: ChatArgs) -> anyhow::Result<()> {
+    let config = DexaConfig::load(&args.config)?;
+    if !config.agents.contains_key(&args.agent) {
+        let known: Vec<&String> = config.agents.keys().collect();
+        anyhow::bail!(config.error(format!(
+            "there is no agent {:?}; the agents are {known:?}",
+            args.agent
+        )));
+    }
+    let memory = memory_file(&config, &args.agent);
+    let deployment = if args.no_worker {
+        Deployment::for_clients(config)?
+    } else {
+        eprintln!("loading the agent's components (the first run compiles them)...");
+        Deployment::for_workers(config, &print_progress).await?
+    };
+    let worker =
+        (!args.no_worker).then(|| tokio::spawn(deployment.worker().run(std::future::pending())));
+    let sessions = deployment.sessions(&args.agent)?;
+
+    // Reattach to the remembered session while it runs.
+    let remembered = std::fs::read_to_string(&memory)
+        .ok()
+        .map(|s| s.trim().to_string());
+    let wanted = args
+        .session
+        .clone()
+        .or(if args.new { None } else { remembered });
+    let mut attached = None;
+    if let Some(id) = wanted {
+        match deployment.store.flow(&id).await? {
+            Some(flow) if flow.flow_type == args.agent && flow.status == FlowStatus::Running => {
+                attached = Some(id)
+            }
+            Some(flow) if args.session.is_some() => anyhow::bail!(
+                "session {id:?} is a {} session and is {}",
+                flow.flow_type,
+                flow.status.as_str()
+            ),
+            None if args.session.is_some() => anyhow::bail!("there is no session {id:?}"),
+            _ => {}
+        }
+    }
+    let (session_id, fresh) = match attached {
+        Some(id) => (id, false),
+        None => {
+            let millis = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_millis())
+                .unwrap_or(0);
+            (
+                format!("chat-{}-{millis:x}", args.agent.to_ascii_lowercase()),
+                true,
+            )
+        }
+    };
+    if let Some(parent) = memory.parent() {
+        std::fs::create_dir_all(parent)
+            .with_context(|| format!("cannot create {}", parent.display()))?;
+    }
+    std::fs::write(&memory, &session_id)
+        .with_context(|| format!("cannot write {}", memory.display()))?;
+
+    let mut chat = Chat {
+        sessions,
+        session_id,
+        lines: BufReader::new(tokio::io::stdin()).lines(),
+        cursor: 0,
+    };
+    if fresh {
+        chat.sessions.start_session(&chat.session_id, "").await?;
+        println!(
+            "new session {} with {} (/quit to leave; the session stays)",
+            chat.session_id, args.agent
+        );
+    } else {
+        chat.reattach().await?;
+    }
+    let result = chat.talk().await;
+    if let Some(worker) = worker {
+        worker.abort();
+    }
+    result
+}
+
+impl Chat {
+    async fn reattach(&mut self) -> anyhow::Result<()> {
+        let snapshot = self.sessions.get_agent_snapshot(&self.session_id).await?;
+        println!(
+            "resuming session {} ({} messages; /quit to leave)",
+            self.session_id,
+            snapshot.messages.len()
+        );
+        let skip = snapshot.messages.len().saturating_sub(6);
+        for message in &snapshot.messages[skip..] {
+            println!(
+                "  {}: {}",
+                format!("{:?}", message.role).to_lowercase(),
+                message.text.as_deref().unwrap_or("")
+            );
+        }
+        // Show only what happens from now on.
+        let (_, next) = self.sessions.read_events(&self.session_id, 0, 1).await?;
+        self.cursor = next - 1;
+        let busy = snapshot
+            .state
+            .as_ref()
+            .is_some_and(|s| s.active_turn_id.is_some())
+            || snapshot.queued_message_count > 0;
+        for interrupt in snapshot.pending_interrupts {
+            self.ask(
+                &interrupt.interrupt_id,
+                &interrupt.tool_name,
+                &interrupt.arguments,
+            )
+            .await?;
+        }
+        if busy {
+            self.follow_turn().await?;
+        }
+        Ok(())
+    }
+
+    async fn talk(&mut self) -> anyhow::Result<()> {
+        loop {
+            out("you> ");
+            let Some(line) = self.lines.next_line().await? else {
+                println!();
+                return Ok(());
+            };
+            let line = line.trim();
+            if line.is_empty() {
+                continue;
+            }
+            if line == "/quit" || line == "/exit" {
+                return Ok(());
+            }
+            self.sessions
+                .send_user_message(&self.session_id, line)
+                .await?;
+            self.follow_turn().await?;
+        }
+    }
+
+    /// Prints the turn's events until it completes or fails, asking for
+    /// approvals on the way.
+    async fn follow_turn(&mut self) -> anyhow::Result<()> {
+        let mut in_text = false;
+        loop {
+            let (events, _) = self
+                .sessions
+                .read_events(&self.session_id, self.cursor, 200)
+                .await?;
+            if events.is_empty() {
+                tokio::time::sleep(POLL).await;
+                continue;
+            }
+            for (seq, event) in events {
+                self.cursor = seq;
+                let data = &event.data;
+                let field = |name: &str| data[name].as_str().unwrap_or("?").to_string();
+                match event.event_type.as_str() {
+                    event_type::TEXT_DELTA => {
+                        if !in_text {
+                            out(&format!("{}> ", "agent"));
+                            in_text = true;
+                        }
+                        out(data["text"].as_str().unwrap_or(""));
+                    }
+                    event_type::TOOL_CALL_STARTED => {
+                        if in_text {
+                            println!();
+                            in_text = false;
+                        }
+                        println!("  [tool {} started]", field("tool_name"));
+                    }
+                    event_type::TOOL_CALL_FINISHED => {
+                        println!("  [tool {} {}]", field("tool_name"), field("status"));
+                    }
+                    event_type::INTERRUPT_RAISED => {
+                        if in_text {
+                            println!();
+                            in_text = false;
+                        }
+                        let interrupt_id = field("interrupt_id");
+                        let arguments = self
+                            .sessions
+                            .get_agent_snapshot(&self.session_id)
+                            .await?
+                            .pending_interrupts
+                            .into_iter()
+                            .find(|i| i.interrupt_id == interrupt_id)
+                            .map(|i| i.arguments);
+                        // Already answered elsewhere when it is no longer pending.
+                        if let Some(arguments) = arguments {
+                            self.ask(&interrupt_id, &field("tool_name"), &arguments)
+                                .await?;
+                        }
+                    }
+                    event_type::TURN_COMPLETED => {
+                        if in_text {
+                            println!();
+                        }
+                        return Ok(());
+                    }
+                    event_type::TURN_FAILED => {
+                        if in_text {
+                            println!();
+                        }
+                        println!("  [the turn failed: {}]", field("error"));
+                        return Ok(());
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    async fn ask(&mut self, interrupt_id: &str, tool: &str, arguments: &str) -> anyhow::Result<()> {
+        loop {
+            out(&format!("  approve {tool} {arguments}? [y/n] "));
+            let Some(answer) = self.lines.next_line().await? else {
+                println!("\n  (left unanswered; it stays pending)");
+                return Ok(());
+            };
+            let approved = match answer.trim().to_ascii_lowercase().as_str() {
+                "y" | "yes" => true,
+                "n" | "no" => false,
+                _ => continue,
+            };
+            let resolved = self
+                .sessions
+                .resolve_interrupt(
+                    &self.session_id,
+                    ResolveInterruptRequest {
+                        interrupt_id: interrupt_id.to_string(),
+                        approved,
+                        rejection_message: (!approved).then(|| "The user declined.".to_string()),
+                    },
+                )
+                .await?;
+            if !resolved {
+                println!("  (no longer pending: answered elsewhere or expired)");
+            }
+            return Ok(());
+        }
+    }
+}

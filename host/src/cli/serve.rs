@@ -1,0 +1,137 @@
+//! `dexa serve`: the HTTP API (and, by default, a worker) for the agents in
+//! `dexa.toml`.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::Context;
+use clap::Args;
+
+use super::worker::{print_progress, shutdown_signal};
+use crate::api::{router, ApiState};
+use crate::config::{Deployment, DexaConfig};
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// The config file.
+    #[arg(long, short, default_value = crate::config::DEFAULT_CONFIG_FILE, env = "DEXA_CONFIG")]
+    pub config: PathBuf,
+    /// Where to listen.
+    #[arg(long, default_value = "127.0.0.1:8080", env = "DEXA_LISTEN")]
+    pub listen: SocketAddr,
+    /// A file holding the API token. Else `$DEXA_API_TOKEN`; else a token is
+    /// generated into `.dexa/api-token` next to the config.
+    #[arg(long)]
+    pub token_file: Option<PathBuf>,
+    /// Serve the API only; run the Steps with `dexa worker` elsewhere.
+    #[arg(long)]
+    pub no_worker: bool,
+}
+
+/// The API token: from `--token-file`, else `$DEXA_API_TOKEN`, else the
+/// generated file. Returns the token and where it came from.
+pub fn resolve_token(
+    token_file: Option<&Path>,
+    config: &DexaConfig,
+) -> anyhow::Result<(String, String)> {
+    if let Some(path) = token_file {
+        let token = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read the token file {}", path.display()))?;
+        let token = token.trim().to_string();
+        anyhow::ensure!(
+            !token.is_empty(),
+            "the token file {} is empty",
+            path.display()
+        );
+        return Ok((token, format!("the file {}", path.display())));
+    }
+    if let Ok(token) = std::env::var("DEXA_API_TOKEN") {
+        let token = token.trim().to_string();
+        anyhow::ensure!(!token.is_empty(), "DEXA_API_TOKEN is set but empty");
+        return Ok((token, "$DEXA_API_TOKEN".to_string()));
+    }
+    let path = generated_token_path(config);
+    if let Ok(existing) = std::fs::read_to_string(&path) {
+        if !existing.trim().is_empty() {
+            return Ok((
+                existing.trim().to_string(),
+                format!("the file {}", path.display()),
+            ));
+        }
+    }
+    let mut bytes = [0u8; 32];
+    use std::io::Read;
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut bytes))
+        .context("cannot read /dev/urandom to make an API token")?;
+    let token = hex::encode(bytes);
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent)
+            .with_context(|| format!("cannot create {}", parent.display()))?;
+    }
+    write_private(&path, &token)?;
+    Ok((token, format!("the file {} (generated)", path.display())))
+}
+
+/// `.dexa/api-token` next to the config file.
+pub fn generated_token_path(config: &DexaConfig) -> PathBuf {
+    config
+        .file
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
+        .join(".dexa")
+        .join("api-token")
+}
+
+fn write_private(path: &Path, text: &str) -> anyhow::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .write(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    file.write_all(text.as_bytes())?;
+    Ok(())
+}
+
+pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let config = DexaConfig::load(&args.config)?;
+    let (token, source) = resolve_token(args.token_file.as_deref(), &config)?;
+    let deployment = if args.no_worker {
+        Deployment::for_clients(config)?
+    } else {
+        Deployment::for_workers(config, &print_progress).await?
+    };
+    let deployment = Arc::new(deployment);
+    let worker = (!args.no_worker).then(|| {
+        let worker = deployment.worker();
+        tokio::spawn(worker.run(std::future::pending()))
+    });
+    let app = router(ApiState {
+        deployment: deployment.clone(),
+        token: Some(Arc::new(token)),
+    });
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", args.listen))?;
+    let address = listener.local_addr()?;
+    let agents: Vec<&String> = deployment.config.agents.keys().collect();
+    eprintln!(
+        "dexa serve: http://{address} (API under /v1, OpenAPI at /openapi.json); agents {agents:?}; {}; the API token is in {source}",
+        if args.no_worker { "no worker (run dexa worker)" } else { "with a worker" }
+    );
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown_signal())
+        .await
+        .context("the HTTP server failed")?;
+    if let Some(worker) = worker {
+        worker.abort();
+    }
+    eprintln!("dexa serve stopped");
+    Ok(())
+}

@@ -1,0 +1,329 @@
+//! `dexa session ...`: the session RPCs from the command line, for scripts.
+//! They work on the store named in `dexa.toml` directly; a worker (`dexa
+//! worker` or `dexa serve`) runs the turns. `--json` prints machine-readable
+//! output.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use clap::{Args, Subcommand};
+use serde_json::json;
+
+use crate::config::{Deployment, DexaConfig};
+use crate::session::{AgentSessionClient, AgentSnapshot, ResolveInterruptRequest};
+
+#[derive(Args, Debug)]
+pub struct SessionArgs {
+    /// The config file.
+    #[arg(long, short, default_value = crate::config::DEFAULT_CONFIG_FILE, env = "DEXA_CONFIG", global = true)]
+    pub config: PathBuf,
+    /// Print JSON instead of text.
+    #[arg(long, global = true)]
+    pub json: bool,
+    #[command(subcommand)]
+    pub command: SessionCommand,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum SessionCommand {
+    /// Sessions, newest first.
+    List {
+        #[arg(long)]
+        agent: Option<String>,
+        #[arg(long, default_value_t = 50)]
+        limit: usize,
+    },
+    /// Start a session of AGENT; a non-blank MESSAGE starts its first turn.
+    Start {
+        agent: String,
+        #[arg(default_value = "")]
+        message: String,
+        /// The session id (default: generated).
+        #[arg(long)]
+        id: Option<String>,
+    },
+    /// A session's state, pending approvals and messages.
+    Show {
+        session_id: String,
+        /// Messages to show, newest last.
+        #[arg(long, default_value_t = 20)]
+        messages: usize,
+    },
+    /// Queue a user message.
+    Send { session_id: String, text: String },
+    /// Approve a pending tool call (the only one when no id is given).
+    Approve {
+        session_id: String,
+        interrupt_id: Option<String>,
+    },
+    /// Reject a pending tool call, optionally telling the model why.
+    Reject {
+        session_id: String,
+        interrupt_id: Option<String>,
+        #[arg(long)]
+        message: Option<String>,
+    },
+    /// Stop a session; its state stays readable.
+    Stop { session_id: String },
+    /// The session's Step history.
+    History { session_id: String },
+    /// Wait until the session is idle: no turn running, no message queued
+    /// (or an approval is pending). Exits non-zero on timeout.
+    Wait {
+        session_id: String,
+        #[arg(long, default_value_t = 120)]
+        timeout_secs: u64,
+    },
+}
+
+/// The client of the agent that owns `session_id`.
+pub async fn session_client(
+    deployment: &Deployment,
+    session_id: &str,
+) -> anyhow::Result<AgentSessionClient> {
+    let flow = deployment
+        .store
+        .flow(session_id)
+        .await?
+        .with_context(|| format!("there is no session {session_id:?}"))?;
+    deployment.sessions(&flow.flow_type)
+}
+
+/// The interrupt to answer: the given one, or the only pending one.
+fn pick_interrupt(snapshot: &AgentSnapshot, given: Option<String>) -> anyhow::Result<String> {
+    if let Some(id) = given {
+        return Ok(id);
+    }
+    match snapshot.pending_interrupts.as_slice() {
+        [] => bail!("session {:?} has no pending approval", snapshot.session_id),
+        [only] => Ok(only.interrupt_id.clone()),
+        several => {
+            let ids: Vec<&str> = several.iter().map(|i| i.interrupt_id.as_str()).collect();
+            bail!("several approvals are pending; name one of {ids:?}")
+        }
+    }
+}
+
+pub async fn run(args: SessionArgs) -> anyhow::Result<()> {
+    let config = DexaConfig::load(&args.config)?;
+    let deployment = Deployment::for_clients(config)?;
+    let print = |value: serde_json::Value, text: String| {
+        if args.json {
+            println!("{value}");
+        } else {
+            println!("{text}");
+        }
+    };
+    match args.command {
+        SessionCommand::List { agent, limit } => {
+            if let Some(agent) = &agent {
+                deployment.sessions(agent)?;
+            }
+            let flows = deployment
+                .store
+                .list_flows(agent.as_deref(), limit.clamp(1, 1000))
+                .await?;
+            let value = serde_json::to_value(&flows)?;
+            let mut text = String::new();
+            for flow in &flows {
+                text.push_str(&format!(
+                    "{}\t{}\t{}\n",
+                    flow.flow_id,
+                    flow.flow_type,
+                    flow.status.as_str()
+                ));
+            }
+            print(value, text.trim_end().to_string());
+        }
+        SessionCommand::Start { agent, message, id } => {
+            let sessions = deployment.sessions(&agent)?;
+            let id = id.unwrap_or_else(|| {
+                let millis = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_millis())
+                    .unwrap_or(0);
+                format!("{}-{millis:x}", agent.to_ascii_lowercase())
+            });
+            sessions.start_session(&id, &message).await?;
+            print(json!({"session_id": id, "agent": agent}), id.clone());
+        }
+        SessionCommand::Show {
+            session_id,
+            messages,
+        } => {
+            let sessions = session_client(&deployment, &session_id).await?;
+            let snapshot = sessions.get_agent_snapshot(&session_id).await?;
+            let value = serde_json::to_value(&snapshot)?;
+            print(value, describe(&snapshot, messages));
+        }
+        SessionCommand::Send { session_id, text } => {
+            let sessions = session_client(&deployment, &session_id).await?;
+            if !sessions.send_user_message(&session_id, &text).await? {
+                bail!("the message is blank; nothing was queued");
+            }
+            print(json!({"queued": true}), "queued".to_string());
+        }
+        SessionCommand::Approve {
+            session_id,
+            interrupt_id,
+        } => {
+            answer(&deployment, &session_id, interrupt_id, true, None, &print).await?;
+        }
+        SessionCommand::Reject {
+            session_id,
+            interrupt_id,
+            message,
+        } => {
+            answer(
+                &deployment,
+                &session_id,
+                interrupt_id,
+                false,
+                message,
+                &print,
+            )
+            .await?;
+        }
+        SessionCommand::Stop { session_id } => {
+            let sessions = session_client(&deployment, &session_id).await?;
+            let stopped = sessions.stop_session(&session_id).await?;
+            print(
+                json!({"stopped": stopped}),
+                if stopped {
+                    "stopped"
+                } else {
+                    "it was not running"
+                }
+                .to_string(),
+            );
+        }
+        SessionCommand::Wait {
+            session_id,
+            timeout_secs,
+        } => {
+            let sessions = session_client(&deployment, &session_id).await?;
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(timeout_secs);
+            loop {
+                let snapshot = sessions.get_agent_snapshot(&session_id).await?;
+                let idle = snapshot
+                    .state
+                    .as_ref()
+                    .is_some_and(|s| s.active_turn_id.is_none())
+                    && snapshot.queued_message_count == 0;
+                let waiting = !snapshot.pending_interrupts.is_empty();
+                if idle || waiting || snapshot.flow_status != crate::flow::FlowStatus::Running {
+                    let state = if waiting {
+                        "waiting for approval"
+                    } else if idle {
+                        "idle"
+                    } else {
+                        snapshot.flow_status.as_str()
+                    };
+                    print(json!({"state": state}), state.to_string());
+                    break;
+                }
+                if std::time::Instant::now() >= deadline {
+                    bail!("session {session_id:?} was still busy after {timeout_secs} s");
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+        }
+        SessionCommand::History { session_id } => {
+            session_client(&deployment, &session_id).await?;
+            let steps = deployment.store.step_history(&session_id).await?;
+            let mut text = String::new();
+            for step in &steps {
+                text.push_str(&format!(
+                    "{}\t{:<26}\tattempt {}\t{}{}\n",
+                    step.at,
+                    step.step_type,
+                    step.final_attempt,
+                    step.event_type,
+                    step.detail
+                        .as_deref()
+                        .map(|d| format!("\t{d}"))
+                        .unwrap_or_default()
+                ));
+            }
+            print(serde_json::to_value(&steps)?, text.trim_end().to_string());
+        }
+    }
+    Ok(())
+}
+
+async fn answer(
+    deployment: &Deployment,
+    session_id: &str,
+    interrupt_id: Option<String>,
+    approved: bool,
+    rejection_message: Option<String>,
+    print: &dyn Fn(serde_json::Value, String),
+) -> anyhow::Result<()> {
+    let sessions = session_client(deployment, session_id).await?;
+    let snapshot = sessions.get_agent_snapshot(session_id).await?;
+    let interrupt_id = pick_interrupt(&snapshot, interrupt_id)?;
+    let resolved = sessions
+        .resolve_interrupt(
+            session_id,
+            ResolveInterruptRequest {
+                interrupt_id: interrupt_id.clone(),
+                approved,
+                rejection_message,
+            },
+        )
+        .await?;
+    if !resolved {
+        bail!("{interrupt_id} is not pending (already answered, expired or unknown)");
+    }
+    print(
+        json!({"resolved": true, "interrupt_id": interrupt_id}),
+        format!(
+            "{} {interrupt_id}",
+            if approved { "approved" } else { "rejected" }
+        ),
+    );
+    Ok(())
+}
+
+/// A snapshot for people.
+pub fn describe(snapshot: &AgentSnapshot, last_messages: usize) -> String {
+    let mut out = format!(
+        "session {} ({})\n",
+        snapshot.session_id,
+        snapshot.flow_status.as_str()
+    );
+    if let Some(state) = &snapshot.state {
+        out.push_str(&format!(
+            "turns: {}{}\n",
+            state.turn_count,
+            state
+                .active_turn_id
+                .as_deref()
+                .map(|t| format!(", {t} running"))
+                .unwrap_or_default()
+        ));
+        if let Some(error) = &state.last_turn_error {
+            out.push_str(&format!("last turn failed: {error}\n"));
+        }
+    }
+    out.push_str(&format!(
+        "usage: {} input + {} output tokens over {} model calls\n",
+        snapshot.usage.input_tokens, snapshot.usage.output_tokens, snapshot.usage.model_calls
+    ));
+    for interrupt in &snapshot.pending_interrupts {
+        out.push_str(&format!(
+            "pending approval {}: {} {}\n",
+            interrupt.interrupt_id, interrupt.tool_name, interrupt.arguments
+        ));
+    }
+    let skip = snapshot.messages.len().saturating_sub(last_messages);
+    for message in &snapshot.messages[skip..] {
+        out.push_str(&format!(
+            "{:>4} {:<9} {}\n",
+            message.sequence,
+            format!("{:?}", message.role).to_lowercase(),
+            message.text.as_deref().unwrap_or("(no text)")
+        ));
+    }
+    out.trim_end().to_string()
+}

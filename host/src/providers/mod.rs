@@ -1,0 +1,7 @@
+//! Model providers behind `dex:agents/model`: the real ones. The scripted
+//! provider for tests and demos lives with the trait
+//! ([`crate::plugin::ScriptedModelProvider`]).
+
+pub mod openai;
+
+pub use openai::{OpenAiConfig, OpenAiProvider};

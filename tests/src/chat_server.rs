@@ -1,0 +1,181 @@
+//! A loopback HTTP server that speaks OpenAI's streaming chat-completions
+//! protocol, replaying recorded transcripts (`../shared/fixtures/openai`) the
+//! way real servers send them: CRLF line endings, `: keep-alive` comments, and
+//! the body split at arbitrary bytes (inside JSON strings and UTF-8
+//! characters). It records every request it gets.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::Router;
+use serde_json::Value;
+
+use crate::repo_root;
+
+/// A transcript from `tests/fixtures/openai` (copied from the shared
+/// fixtures).
+pub fn openai_fixture(name: &str) -> String {
+    let path: PathBuf = repo_root()
+        .join("tests")
+        .join("fixtures")
+        .join("openai")
+        .join(name);
+    std::fs::read_to_string(&path)
+        .unwrap_or_else(|err| panic!("cannot read fixture {}: {err}", path.display()))
+}
+
+/// What the server answers to one request.
+#[derive(Clone, Debug)]
+pub enum Reply {
+    /// A transcript, re-sent with CRLF, keep-alive comments and the body cut
+    /// into pieces of `piece` bytes.
+    Stream { transcript: String, piece: usize },
+    /// The transcript without its `data: [DONE]`: the connection just ends.
+    Truncated { transcript: String },
+    /// An error status with an OpenAI-style error body.
+    Error { status: u16, message: String },
+}
+
+/// A request the server received.
+#[derive(Clone, Debug)]
+pub struct ReceivedRequest {
+    pub authorization: Option<String>,
+    pub body: Value,
+}
+
+#[derive(Default)]
+struct ServerState {
+    replies: Mutex<VecDeque<Reply>>,
+    requests: Mutex<Vec<ReceivedRequest>>,
+}
+
+/// The server; it stops when dropped.
+pub struct ReplayChatServer {
+    /// `http://127.0.0.1:<port>/v1`
+    pub base_url: String,
+    state: Arc<ServerState>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl ReplayChatServer {
+    pub async fn start(replies: Vec<Reply>) -> Self {
+        let state = Arc::new(ServerState {
+            replies: Mutex::new(replies.into()),
+            requests: Mutex::new(Vec::new()),
+        });
+        let app = Router::new()
+            .route("/v1/chat/completions", post(complete))
+            .with_state(state.clone());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .unwrap_or_else(|err| panic!("bind the chat server: {err}"));
+        let port = listener
+            .local_addr()
+            .unwrap_or_else(|err| panic!("chat server address: {err}"))
+            .port();
+        let task = tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        Self {
+            base_url: format!("http://127.0.0.1:{port}/v1"),
+            state,
+            task,
+        }
+    }
+
+    pub fn requests(&self) -> Vec<ReceivedRequest> {
+        self.state
+            .requests
+            .lock()
+            .map(|r| r.clone())
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for ReplayChatServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// The transcript as a real server sends it.
+fn as_sent(transcript: &str, keep_done: bool) -> Vec<u8> {
+    let mut out = String::from(": keep-alive\r\n\r\n");
+    for (i, event) in transcript
+        .split("\n\n")
+        .map(str::trim)
+        .filter(|e| !e.is_empty())
+        .enumerate()
+    {
+        if !keep_done && event == "data: [DONE]" {
+            continue;
+        }
+        if i % 3 == 2 {
+            out.push_str(": keep-alive\r\n\r\n");
+        }
+        out.push_str(&event.replace('\n', "\r\n"));
+        out.push_str("\r\n\r\n");
+    }
+    out.into_bytes()
+}
+
+fn pieces(bytes: Vec<u8>, piece: usize) -> Body {
+    let chunks: Vec<Bytes> = bytes
+        .chunks(piece.max(1))
+        .map(Bytes::copy_from_slice)
+        .collect();
+    let stream = futures_util::stream::unfold(chunks.into_iter(), |mut rest| async move {
+        let next = rest.next()?;
+        // Separate writes, so the client really sees the pieces.
+        tokio::time::sleep(Duration::from_micros(200)).await;
+        Some((Ok::<Bytes, Infallible>(next), rest))
+    });
+    Body::from_stream(stream)
+}
+
+async fn complete(
+    State(state): State<Arc<ServerState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    if let Ok(mut requests) = state.requests.lock() {
+        requests.push(ReceivedRequest {
+            authorization: headers
+                .get(header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string),
+            body,
+        });
+    }
+    let reply = state.replies.lock().ok().and_then(|mut r| r.pop_front());
+    let sse = [(header::CONTENT_TYPE, "text/event-stream")];
+    match reply {
+        Some(Reply::Stream { transcript, piece }) => {
+            (sse, pieces(as_sent(&transcript, true), piece)).into_response()
+        }
+        Some(Reply::Truncated { transcript }) => {
+            (sse, pieces(as_sent(&transcript, false), 64)).into_response()
+        }
+        Some(Reply::Error { status, message }) => (
+            StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+            axum::Json(serde_json::json!({
+                "error": {"message": message, "type": "invalid_request_error"}
+            })),
+        )
+            .into_response(),
+        None => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the replay server has no replies left",
+        )
+            .into_response(),
+    }
+}

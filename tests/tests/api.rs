@@ -1,0 +1,520 @@
+//! The HTTP API of `dexa serve`, over real HTTP on loopback: auth, every RPC,
+//! typed errors with their status codes, the SSE stream and its resumption,
+//! and the OpenAPI document.
+
+use std::time::Duration;
+
+use dexa_tests::api_server::{ApiServer, TEST_TOKEN};
+use eventsource_stream::Eventsource;
+use futures_util::StreamExt;
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+
+const TOKEN: &str = TEST_TOKEN;
+
+struct Served {
+    base: String,
+    http: reqwest::Client,
+    _server: ApiServer,
+}
+
+impl Served {
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    async fn call(&self, method: &str, path: &str, body: Option<Value>) -> (StatusCode, Value) {
+        let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
+        let mut request = self.http.request(method, self.url(path)).bearer_auth(TOKEN);
+        if let Some(body) = body {
+            request = request.json(&body);
+        }
+        let response = request.send().await.unwrap();
+        let status = response.status();
+        let text = response.text().await.unwrap();
+        let value = serde_json::from_str(&text).unwrap_or(Value::String(text));
+        (status, value)
+    }
+
+    async fn snapshot_until(&self, session: &str, accept: impl Fn(&Value) -> bool) -> Value {
+        for _ in 0..2000 {
+            let (status, snapshot) = self
+                .call("GET", &format!("/v1/sessions/{session}"), None)
+                .await;
+            if status == StatusCode::OK && accept(&snapshot) {
+                return snapshot;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("session {session} never reached the expected state");
+    }
+}
+
+/// `Helpdesk`: turn 1 asks for a tool that needs approval, then answers.
+async fn serve() -> Served {
+    let server = ApiServer::helpdesk(json!({"turns": [
+        {"steps": [
+            {"tool_calls": [{"id": "pay", "name": "log", "arguments": {"name": "pay"}}]},
+            {"text": "paid", "deltas": ["pa", "id"]}
+        ]},
+        {"steps": [{"text": "hello again"}]}
+    ]}))
+    .await;
+    Served {
+        base: server.base.clone(),
+        http: reqwest::Client::new(),
+        _server: server,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_without_the_token_get_401_and_documents_are_public() {
+    let served = serve().await;
+    for (method, path) in [
+        ("GET", "/v1/agents"),
+        ("GET", "/v1/sessions/x"),
+        ("POST", "/v1/agents/Helpdesk/sessions"),
+    ] {
+        let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
+        for token in [None, Some("wrong"), Some("")] {
+            let mut request = served.http.request(method.clone(), served.url(path));
+            if let Some(token) = token {
+                request = request.bearer_auth(token);
+            }
+            let response = request.send().await.unwrap();
+            assert_eq!(
+                response.status(),
+                StatusCode::UNAUTHORIZED,
+                "{path} {token:?}"
+            );
+            assert_eq!(
+                response
+                    .headers()
+                    .get("www-authenticate")
+                    .and_then(|v| v.to_str().ok()),
+                Some("Bearer")
+            );
+            let body: Value = response.json().await.unwrap();
+            assert_eq!(body["error"]["code"], "unauthorized");
+        }
+    }
+    let (status, agents) = served.call("GET", "/v1/agents", None).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(agents["agents"][0]["name"], "Helpdesk");
+    let openapi = served
+        .http
+        .get(served.url("/openapi.json"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(openapi.status(), StatusCode::OK);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_through_the_api_with_an_approval_messages_history_and_stop() {
+    let served = serve().await;
+    let (status, started) = served
+        .call(
+            "POST",
+            "/v1/agents/Helpdesk/sessions",
+            Some(json!({"session_id": "s1", "message": "pay"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{started}");
+    assert_eq!(started, json!({"session_id": "s1", "agent": "Helpdesk"}));
+
+    let snapshot = served
+        .snapshot_until("s1", |s| {
+            s["pending_interrupts"]
+                .as_array()
+                .is_some_and(|p| !p.is_empty())
+        })
+        .await;
+    assert_eq!(snapshot["agent"], "Helpdesk");
+    let interrupt_id = snapshot["pending_interrupts"][0]["interrupt_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(interrupt_id, "turn-1/pay");
+    let answer = json!({"interrupt_id": interrupt_id, "approved": true});
+    let (status, resolved) = served
+        .call("POST", "/v1/sessions/s1/interrupts", Some(answer.clone()))
+        .await;
+    assert_eq!(
+        (status, resolved),
+        (StatusCode::OK, json!({"resolved": true}))
+    );
+    let (status, again) = served
+        .call("POST", "/v1/sessions/s1/interrupts", Some(answer))
+        .await;
+    assert_eq!(
+        (status, again),
+        (StatusCode::OK, json!({"resolved": false}))
+    );
+
+    served
+        .snapshot_until("s1", |s| {
+            s["state"]["turn_count"] == 1 && s["state"]["active_turn_id"].is_null()
+        })
+        .await;
+    let (status, queued) = served
+        .call(
+            "POST",
+            "/v1/sessions/s1/messages",
+            Some(json!({"text": "again"})),
+        )
+        .await;
+    assert_eq!(
+        (status, queued),
+        (StatusCode::ACCEPTED, json!({"queued": true}))
+    );
+    let snapshot = served
+        .snapshot_until("s1", |s| {
+            s["state"]["turn_count"] == 2 && s["state"]["active_turn_id"].is_null()
+        })
+        .await;
+    let texts: Vec<&str> = snapshot["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|m| m["text"].as_str())
+        .collect();
+    assert_eq!(
+        texts,
+        vec!["pay", "s1/turn-1/pay", "paid", "again", "hello again"]
+    );
+
+    let (status, page) = served
+        .call(
+            "GET",
+            "/v1/sessions/s1/messages?after_sequence=1&limit=2",
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    let sequences: Vec<u64> = page["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["sequence"].as_u64().unwrap())
+        .collect();
+    assert_eq!(sequences, vec![2, 3]);
+    assert_eq!(page["next_after_sequence"], 3);
+
+    let (status, history) = served.call("GET", "/v1/sessions/s1/history", None).await;
+    assert_eq!(status, StatusCode::OK);
+    let steps: Vec<&str> = history["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|s| s["step_type"].as_str())
+        .collect();
+    assert!(
+        steps.contains(&"CallSingleAttemptTool") && steps.contains(&"AwaitToolApproval"),
+        "{steps:?}"
+    );
+
+    let (status, listed) = served
+        .call("GET", "/v1/sessions?agent=Helpdesk", None)
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(listed["sessions"][0]["session_id"], "s1");
+    assert_eq!(listed["sessions"][0]["status"], "running");
+
+    let (status, stopped) = served.call("POST", "/v1/sessions/s1/stop", None).await;
+    assert_eq!(
+        (status, stopped),
+        (StatusCode::OK, json!({"stopped": true}))
+    );
+    let (status, snapshot) = served.call("GET", "/v1/sessions/s1", None).await;
+    assert_eq!(status, StatusCode::OK, "a stopped session is still served");
+    assert_eq!(snapshot["flow_status"], "stopped");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn errors_are_typed_json_with_the_right_status() {
+    let served = serve().await;
+    served
+        .call(
+            "POST",
+            "/v1/agents/Helpdesk/sessions",
+            Some(json!({"session_id": "taken", "message": ""})),
+        )
+        .await;
+    let long_id = "x".repeat(201);
+    let cases: Vec<(&str, String, Option<Value>, StatusCode, &str)> = vec![
+        (
+            "POST",
+            "/v1/agents/Nobody/sessions".into(),
+            Some(json!({"message": "hi"})),
+            StatusCode::NOT_FOUND,
+            "not_found",
+        ),
+        (
+            "POST",
+            "/v1/agents/Helpdesk/sessions".into(),
+            Some(json!({"session_id": "taken"})),
+            StatusCode::CONFLICT,
+            "already_exists",
+        ),
+        (
+            "POST",
+            "/v1/agents/Helpdesk/sessions".into(),
+            Some(json!({"session_id": long_id})),
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+        ),
+        (
+            "POST",
+            "/v1/agents/Helpdesk/sessions".into(),
+            Some(json!({"mesage": "typo"})),
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+        ),
+        (
+            "POST",
+            "/v1/agents/Helpdesk/sessions".into(),
+            None,
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+        ),
+        (
+            "GET",
+            "/v1/sessions/nope".into(),
+            None,
+            StatusCode::NOT_FOUND,
+            "not_found",
+        ),
+        (
+            "POST",
+            "/v1/sessions/nope/messages".into(),
+            Some(json!({"text": "hi"})),
+            StatusCode::NOT_FOUND,
+            "not_found",
+        ),
+        (
+            "POST",
+            "/v1/sessions/taken/messages".into(),
+            Some(json!({"text": "  "})),
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+        ),
+        (
+            "POST",
+            "/v1/sessions/taken/interrupts".into(),
+            Some(json!({"approved": true})),
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+        ),
+        (
+            "GET",
+            "/v1/sessions/taken/messages?limit=many".into(),
+            None,
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+        ),
+        (
+            "GET",
+            "/v1/sessions?agent=Nobody".into(),
+            None,
+            StatusCode::NOT_FOUND,
+            "not_found",
+        ),
+        (
+            "GET",
+            "/v1/nothing-here".into(),
+            None,
+            StatusCode::NOT_FOUND,
+            "not_found",
+        ),
+        (
+            "DELETE",
+            "/v1/sessions/taken".into(),
+            None,
+            StatusCode::METHOD_NOT_ALLOWED,
+            "method_not_allowed",
+        ),
+    ];
+    for (method, path, body, status, code) in cases {
+        let (got, error) = served.call(method, &path, body).await;
+        assert_eq!(got, status, "{method} {path}: {error}");
+        assert_eq!(error["error"]["code"], code, "{method} {path}: {error}");
+        assert!(
+            error["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{error}"
+        );
+    }
+    // A stopped session takes no more messages.
+    served.call("POST", "/v1/sessions/taken/stop", None).await;
+    let (status, error) = served
+        .call(
+            "POST",
+            "/v1/sessions/taken/messages",
+            Some(json!({"text": "hi"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CONFLICT, "{error}");
+    assert_eq!(error["error"]["code"], "not_running");
+    // Nothing above created a session or lost one.
+    let (_, listed) = served.call("GET", "/v1/sessions", None).await;
+    assert_eq!(listed["sessions"].as_array().map(Vec::len), Some(1));
+}
+
+/// Reads SSE events until `stop` accepts one; returns (id, type, data).
+async fn read_sse(
+    served: &Served,
+    session: &str,
+    last_event_id: Option<&str>,
+    stop: impl Fn(&str) -> bool,
+) -> Vec<(String, String, Value)> {
+    let mut request = served
+        .http
+        .get(served.url(&format!("/v1/sessions/{session}/events")))
+        .bearer_auth(TOKEN);
+    if let Some(id) = last_event_id {
+        request = request.header("Last-Event-ID", id);
+    }
+    let response = request.send().await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(
+        response
+            .headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok()),
+        Some("text/event-stream")
+    );
+    let mut stream = response.bytes_stream().eventsource();
+    let mut seen = Vec::new();
+    loop {
+        let event = tokio::time::timeout(Duration::from_secs(20), stream.next())
+            .await
+            .expect("an event within 20 s")
+            .expect("the stream stays open")
+            .expect("a well-formed event");
+        let data: Value = serde_json::from_str(&event.data).unwrap();
+        let done = stop(&event.event);
+        seen.push((event.id, event.event, data));
+        if done {
+            return seen;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_event_stream_is_sse_and_resumes_after_last_event_id() {
+    let served = serve().await;
+    served
+        .call(
+            "POST",
+            "/v1/agents/Helpdesk/sessions",
+            Some(json!({"session_id": "s1", "message": "pay"})),
+        )
+        .await;
+    let first = read_sse(&served, "s1", None, |t| t == "interrupt_raised").await;
+    let (last_id, _, _) = first.last().unwrap().clone();
+    for (id, kind, data) in &first {
+        assert_eq!(data["type"], kind.as_str(), "event {id}");
+        assert!(id.parse::<i64>().is_ok());
+    }
+    let snapshot = served
+        .snapshot_until("s1", |s| {
+            s["pending_interrupts"]
+                .as_array()
+                .is_some_and(|p| !p.is_empty())
+        })
+        .await;
+    let interrupt_id = snapshot["pending_interrupts"][0]["interrupt_id"].clone();
+    served
+        .call(
+            "POST",
+            "/v1/sessions/s1/interrupts",
+            Some(json!({"interrupt_id": interrupt_id, "approved": true})),
+        )
+        .await;
+    let resumed = read_sse(&served, "s1", Some(&last_id), |t| t == "turn_completed").await;
+    let ids: Vec<i64> = resumed
+        .iter()
+        .map(|(id, _, _)| id.parse().unwrap())
+        .collect();
+    let last: i64 = last_id.parse().unwrap();
+    assert!(
+        ids.iter().all(|id| *id > last),
+        "resumed after {last}: {ids:?}"
+    );
+    assert!(ids.windows(2).all(|w| w[0] < w[1]));
+    let deltas: String = resumed
+        .iter()
+        .filter(|(_, t, _)| t == "text_delta")
+        .filter_map(|(_, _, d)| d["data"]["text"].as_str())
+        .collect();
+    assert_eq!(deltas, "paid");
+    let (status, error) = served
+        .call("GET", "/v1/sessions/s1/events?after=soon", None)
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{error}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_operation_in_the_openapi_document_is_routed_and_every_ref_resolves() {
+    let served = serve().await;
+    let document: Value = served
+        .http
+        .get(served.url("/openapi.json"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(document["openapi"], "3.1.0");
+    let mut operations = 0;
+    for (path, item) in document["paths"].as_object().unwrap() {
+        for (method, _) in item.as_object().unwrap() {
+            operations += 1;
+            let concrete = path
+                .replace("{agent}", "Helpdesk")
+                .replace("{session_id}", "absent");
+            let (status, body) = served
+                .call(&method.to_uppercase(), &concrete, Some(json!({})))
+                .await;
+            let unrouted = status == StatusCode::METHOD_NOT_ALLOWED
+                || body["error"]["message"]
+                    .as_str()
+                    .is_some_and(|m| m.starts_with("no such route"));
+            assert!(
+                !unrouted,
+                "{method} {path} is documented but not routed: {status} {body}"
+            );
+        }
+    }
+    assert_eq!(operations, 10);
+    fn refs(value: &Value, out: &mut Vec<String>) {
+        match value {
+            Value::Object(map) => {
+                for (key, v) in map {
+                    if key == "$ref" {
+                        out.extend(v.as_str().map(str::to_string));
+                    } else {
+                        refs(v, out);
+                    }
+                }
+            }
+            Value::Array(items) => items.iter().for_each(|v| refs(v, out)),
+            _ => {}
+        }
+    }
+    let mut all = Vec::new();
+    refs(&document, &mut all);
+    assert!(!all.is_empty());
+    for reference in all {
+        let name = reference
+            .strip_prefix("#/components/schemas/")
+            .unwrap_or_else(|| panic!("{reference}"));
+        assert!(
+            document["components"]["schemas"].get(name).is_some(),
+            "{reference} does not resolve"
+        );
+    }
+}

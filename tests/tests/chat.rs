@@ -1,0 +1,227 @@
+//! `dexa chat` as a person uses it: the real binary with a terminal's stdin
+//! and stdout. Live text, tool calls, a y/n approval, and reattaching after
+//! the process is restarted. Also `dexa session` for scripts.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use dexa_tests::api_server::helpdesk_config;
+use dexa_tests::kit::dexa_binary;
+use serde_json::{json, Value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::process::{Child, ChildStdin, ChildStdout, Command};
+
+struct Terminal {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    stdout: ChildStdout,
+    seen: String,
+}
+
+impl Terminal {
+    fn start(config: &std::path::Path) -> Self {
+        let mut child = Command::new(dexa_binary())
+            .args(["chat", "Helpdesk", "--config"])
+            .arg(config)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let stdin = child.stdin.take();
+        let stdout = child.stdout.take().unwrap();
+        Self {
+            child,
+            stdin,
+            stdout,
+            seen: String::new(),
+        }
+    }
+
+    /// Reads until the output (since the last call) contains `needle`.
+    async fn expect(&mut self, needle: &str) -> String {
+        let mut buffer = [0u8; 4096];
+        let result = tokio::time::timeout(Duration::from_secs(30), async {
+            while !self.seen.contains(needle) {
+                let n = self.stdout.read(&mut buffer).await.unwrap();
+                assert!(
+                    n > 0,
+                    "dexa chat ended before {needle:?}; it printed:\n{}",
+                    self.seen
+                );
+                self.seen.push_str(&String::from_utf8_lossy(&buffer[..n]));
+            }
+        })
+        .await;
+        assert!(
+            result.is_ok(),
+            "no {needle:?} within 30 s; dexa chat printed:\n{}",
+            self.seen
+        );
+        let at = self.seen.find(needle).unwrap_or(0) + needle.len();
+        let shown = self.seen[..at].to_string();
+        self.seen = self.seen[at..].to_string();
+        shown
+    }
+
+    async fn type_line(&mut self, line: &str) {
+        let stdin = self.stdin.as_mut().unwrap();
+        stdin
+            .write_all(format!("{line}\n").as_bytes())
+            .await
+            .unwrap();
+        stdin.flush().await.unwrap();
+    }
+
+    /// Closes stdin (Ctrl-D) and waits for a clean exit.
+    async fn close(mut self) {
+        drop(self.stdin.take());
+        let status = tokio::time::timeout(Duration::from_secs(30), self.child.wait())
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(status.success(), "dexa chat exited with {status}");
+    }
+}
+
+async fn session(config: &std::path::Path, args: &[&str]) -> (bool, String, String) {
+    let output = Command::new(dexa_binary())
+        .arg("session")
+        .args(args)
+        .arg("--config")
+        .arg(config)
+        .output()
+        .await
+        .unwrap();
+    (
+        output.status.success(),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_streams_asks_for_approval_and_reattaches_after_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = helpdesk_config(
+        dir.path(),
+        &json!({"turns": [
+            {"steps": [
+                {"text": "Let me pay that.", "deltas": ["Let me ", "pay that."],
+                 "tool_calls": [{"id": "pay", "name": "log", "arguments": {"name": "pay"}}]},
+                {"text": "Paid.", "deltas": ["Pa", "id."]}
+            ]},
+            {"steps": [{"text": "Hello again."}]}
+        ]}),
+    );
+    let mut terminal = Terminal::start(&config);
+    let opened = terminal.expect("you> ").await;
+    assert!(opened.contains("new session chat-helpdesk-"), "{opened}");
+    terminal.type_line("pay invoice 7").await;
+    terminal.expect("agent> Let me pay that.").await;
+    terminal
+        .expect("approve log {\"name\":\"pay\"}? [y/n] ")
+        .await;
+    terminal.type_line("maybe").await;
+    // Anything but y or n asks again.
+    terminal
+        .expect("approve log {\"name\":\"pay\"}? [y/n] ")
+        .await;
+    terminal.type_line("y").await;
+    terminal.expect("[tool log started]").await;
+    terminal.expect("[tool log succeeded]").await;
+    terminal.expect("agent> Paid.").await;
+    terminal.expect("you> ").await;
+    terminal.close().await;
+
+    // A new process reattaches to the same session.
+    let mut terminal = Terminal::start(&config);
+    let resumed = terminal.expect("you> ").await;
+    assert!(
+        resumed.contains("resuming session chat-helpdesk-"),
+        "{resumed}"
+    );
+    assert!(resumed.contains("assistant: Paid."), "{resumed}");
+    terminal.type_line("hi").await;
+    terminal.expect("agent> Hello again.").await;
+    terminal.type_line("/quit").await;
+    terminal.close().await;
+
+    // The same session, seen by `dexa session` for scripts.
+    let (ok, listed, err) = session(&config, &["list", "--json"]).await;
+    assert!(ok, "{err}");
+    let listed: Value = serde_json::from_str(&listed).unwrap();
+    assert_eq!(listed.as_array().map(Vec::len), Some(1), "{listed}");
+    let id = listed[0]["flow_id"].as_str().unwrap().to_string();
+    let (ok, shown, err) = session(&config, &["show", &id]).await;
+    assert!(ok, "{err}");
+    assert!(shown.contains("turns: 2"), "{shown}");
+    assert!(shown.contains("assistant Hello again."), "{shown}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dexa_session_drives_a_session_for_scripts() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = helpdesk_config(
+        dir.path(),
+        &json!({"turns": [{"steps": [
+            {"tool_calls": [
+                {"id": "a", "name": "log", "arguments": {"name": "a"}},
+                {"id": "b", "name": "log", "arguments": {"name": "b"}}
+            ]},
+            {"text": "done"}
+        ]}]}),
+    );
+    // A worker of its own: `dexa session` only talks to the store.
+    let mut worker = Command::new(dexa_binary())
+        .args(["worker", "--config"])
+        .arg(&config)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let (ok, started, err) = session(&config, &["start", "Helpdesk", "go", "--id", "s1"]).await;
+    assert!(ok, "{err}");
+    assert_eq!(started.trim(), "s1");
+    let (ok, waited, err) = session(&config, &["wait", "s1"]).await;
+    assert!(ok, "{err}");
+    assert_eq!(waited.trim(), "waiting for approval");
+    // Two approvals pending: approve needs an id.
+    let (ok, _, err) = session(&config, &["approve", "s1"]).await;
+    assert!(!ok);
+    assert!(err.contains("several approvals are pending"), "{err}");
+    let (ok, out, err) = session(&config, &["approve", "s1", "turn-1/a"]).await;
+    assert!(ok, "{err}");
+    assert_eq!(out.trim(), "approved turn-1/a");
+    let (ok, out, err) = session(&config, &["reject", "s1", "--message", "not b"]).await;
+    assert!(ok, "{err}");
+    assert_eq!(out.trim(), "rejected turn-1/b");
+    let (ok, _, err) = session(&config, &["wait", "s1"]).await;
+    assert!(ok, "{err}");
+    let (ok, shown, err) = session(&config, &["show", "s1", "--json"]).await;
+    assert!(ok, "{err}");
+    let shown: Value = serde_json::from_str(&shown).unwrap();
+    let tools: Vec<&str> = shown["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["role"] == "tool")
+        .filter_map(|m| m["text"].as_str())
+        .collect();
+    assert_eq!(tools, vec!["s1/turn-1/a", "Tool call was rejected: not b"]);
+    let (ok, out, err) = session(&config, &["send", "s1", "  "]).await;
+    assert!(!ok, "{out}");
+    assert!(err.contains("blank"), "{err}");
+    let (ok, history, err) = session(&config, &["history", "s1"]).await;
+    assert!(ok, "{err}");
+    assert!(history.contains("AwaitToolApproval"), "{history}");
+    let (ok, out, _) = session(&config, &["stop", "s1"]).await;
+    assert!(ok);
+    assert_eq!(out.trim(), "stopped");
+    let (ok, _, err) = session(&config, &["show", "nope"]).await;
+    assert!(!ok);
+    assert!(err.contains("there is no session \"nope\""), "{err}");
+    let _ = worker.kill().await;
+}

@@ -1,0 +1,162 @@
+//! The example agent (`examples/bookkeeper`) as a new user runs it: the
+//! README's first command (`dexa demo`), on a copy of the example so the
+//! repository's `.dexa` is untouched.
+
+use std::path::{Path, PathBuf};
+
+use dexa_tests::{guests_dir, repo_root};
+
+/// A copy of `examples/bookkeeper` at the same depth, with `target/guests`
+/// linked to the built guests. Returns the copied config.
+fn example_copy(root: &Path) -> PathBuf {
+    let example = root.join("examples").join("bookkeeper");
+    std::fs::create_dir_all(&example).unwrap();
+    for file in ["dexa.toml", "responses.json"] {
+        std::fs::copy(
+            repo_root().join("examples/bookkeeper").join(file),
+            example.join(file),
+        )
+        .unwrap();
+    }
+    std::fs::create_dir_all(root.join("target")).unwrap();
+    std::os::unix::fs::symlink(guests_dir(), root.join("target").join("guests")).unwrap();
+    example.join("dexa.toml")
+}
+
+#[tokio::test]
+async fn the_demo_command_runs_the_example_agent_offline() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = example_copy(dir.path());
+    let output = tokio::process::Command::new(dexa_tests::kit::dexa_binary())
+        .arg("demo")
+        .arg("--config")
+        .arg(&config)
+        .arg("--cache-dir")
+        .arg(repo_root().join("target").join("test-component-cache"))
+        .env_remove("DEXA_MODEL")
+        .kill_on_drop(true)
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "dexa demo failed:\n{stdout}\n{stderr}"
+    );
+    assert!(stdout.contains("(model: replay)"), "{stdout}");
+    for line in [
+        "[tool lookup_invoice call_lookup started]",
+        "[tool lookup_invoice call_lookup succeeded]",
+        "agent> Invoice 7 from Acme Paper is open for 120.00 EUR; paying it.",
+        "[tool record_payment call_pay succeeded]",
+        "[turn-1 completed]",
+        "usage: 810 input + 85 output tokens over 3 model calls",
+    ] {
+        assert!(stdout.contains(line), "missing {line:?} in:\n{stdout}");
+    }
+    assert!(
+        stdout.contains("recorded a payment of 120.00 EUR"),
+        "{stdout}"
+    );
+    assert!(
+        stderr.contains("[1/3] loading chat-runner"),
+        "progress is shown: {stderr}"
+    );
+    // The one grant: the ledger directory, created on first use.
+    let ledger: Vec<_> = std::fs::read_dir(dir.path().join(".dexa").join("ledger"))
+        .unwrap()
+        .collect();
+    assert_eq!(ledger.len(), 1, "one payment in the granted directory");
+}
+
+/// The README's walkthrough, run as written (the port made free), with
+/// `dexa` on the PATH.
+#[tokio::test]
+async fn the_readme_walkthrough_works_as_written() {
+    let readme = std::fs::read_to_string(repo_root().join("README.md")).unwrap();
+    let block = readme
+        .split("<!-- walkthrough -->")
+        .nth(1)
+        .and_then(|rest| rest.split("<!-- /walkthrough -->").next())
+        .expect("the README has a walkthrough block");
+    let script = block
+        .trim()
+        .strip_prefix("```sh")
+        .and_then(|s| s.trim_end().strip_suffix("```"))
+        .expect("the walkthrough is one sh block");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap();
+    let script = script.replace("8080", &port.to_string());
+
+    let dir = tempfile::tempdir().unwrap();
+    example_copy(dir.path());
+    // Share the tests' compiled-component cache.
+    let cache = dir.path().join(".dexa").join("cache");
+    std::fs::create_dir_all(&cache).unwrap();
+    std::os::unix::fs::symlink(
+        repo_root().join("target").join("test-component-cache"),
+        cache.join("components"),
+    )
+    .unwrap();
+    let bin_dir = dexa_tests::kit::dexa_binary()
+        .parent()
+        .unwrap()
+        .to_path_buf();
+    let path = format!(
+        "{}:{}",
+        bin_dir.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let mut command = tokio::process::Command::new("bash");
+    command
+        .arg("-euo")
+        .arg("pipefail")
+        .arg("-c")
+        .arg(&script)
+        .current_dir(dir.path())
+        .env("PATH", path)
+        .env_remove("DEXA_MODEL")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .process_group(0)
+        .kill_on_drop(true);
+    let child = command.spawn().unwrap();
+    let pid = child.id().unwrap_or(0) as i32;
+    let output = tokio::time::timeout(
+        std::time::Duration::from_secs(120),
+        child.wait_with_output(),
+    )
+    .await;
+    // Whatever happened, nothing the walkthrough started outlives the test.
+    // SAFETY: signals the walkthrough's own process group.
+    unsafe {
+        libc::kill(-pid, libc::SIGKILL);
+    }
+    let output = output
+        .expect("the walkthrough finished within 120 s")
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "the walkthrough failed:\n{stdout}\n{stderr}"
+    );
+    for expected in [
+        r#"{"ok":true}"#,
+        r#"{"agent":"Bookkeeper","session_id":"walk-1"}"#,
+        "idle",
+        "session walk-1 (running)",
+        "recorded a payment of 120.00 EUR",
+        "CallTool",
+        "RunModel",
+        r#""next_after_sequence":2"#,
+    ] {
+        assert!(
+            stdout.contains(expected),
+            "missing {expected:?} in:\n{stdout}\n{stderr}"
+        );
+    }
+}

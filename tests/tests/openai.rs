@@ -1,0 +1,322 @@
+//! The `openai` model provider against a loopback server that speaks the real
+//! streaming protocol (CRLF, keep-alive comments, bodies cut at any byte,
+//! interleaved tool-call fragments), directly and through a session.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use dexa::config::{Deployment, DexaConfig, ModelConfig};
+use dexa::plugin::wit::{
+    MessageRole, ModelError, ModelMessage, ModelRequest, ModelResponse, ToolSpec,
+};
+use dexa::plugin::{EventWriter, GuestEvent, ModelProvider};
+use dexa::providers::{OpenAiConfig, OpenAiProvider};
+use dexa_tests::chat_server::{openai_fixture, ReceivedRequest, ReplayChatServer, Reply};
+use dexa_tests::kit::wait_for_turns;
+use dexa_tests::{guest_wasm, repo_root, step_tag, CollectingEvents};
+use serde_json::{json, Value};
+
+fn request(tools: Vec<ToolSpec>) -> ModelRequest {
+    ModelRequest {
+        messages: vec![
+            ModelMessage {
+                role: MessageRole::System,
+                content: Some("You help with tickets.".into()),
+                tool_calls: Vec::new(),
+                tool_call_id: None,
+            },
+            ModelMessage {
+                role: MessageRole::User,
+                content: Some("How many open tickets?".into()),
+                tool_calls: Vec::new(),
+                tool_call_id: None,
+            },
+        ],
+        tools,
+        temperature: Some(0.5),
+        max_output_tokens: Some(256),
+    }
+}
+
+/// Calls the provider once; returns the result and the text deltas it wrote.
+async fn complete(
+    server: &ReplayChatServer,
+    request: ModelRequest,
+) -> (Result<ModelResponse, ModelError>, Vec<String>) {
+    let provider = OpenAiProvider::new(
+        OpenAiConfig::new(&server.base_url, "gpt-4o-mini").api_key("sk-test-key"),
+    )
+    .unwrap();
+    let sink = Arc::new(CollectingEvents::default());
+    let writer = EventWriter::new(step_tag("s1", "turn-1", "x1", 1), sink.clone(), 1 << 20);
+    let result = provider.complete(request, &writer).await;
+    let deltas = sink
+        .events()
+        .into_iter()
+        .filter_map(|e| match e.event {
+            GuestEvent::TextDelta { text } => Some(text),
+            _ => None,
+        })
+        .collect();
+    (result, deltas)
+}
+
+fn only_request(server: &ReplayChatServer) -> ReceivedRequest {
+    let requests = server.requests();
+    assert_eq!(requests.len(), 1, "{requests:?}");
+    requests[0].clone()
+}
+
+#[tokio::test]
+async fn a_streamed_answer_is_assembled_from_any_split_and_its_deltas_stream_live() {
+    // 1-byte pieces cut inside every JSON string; 7-byte pieces elsewhere.
+    for piece in [1, 7, 4096] {
+        let server = ReplayChatServer::start(vec![Reply::Stream {
+            transcript: openai_fixture("text.sse"),
+            piece,
+        }])
+        .await;
+        let (result, deltas) = complete(&server, request(Vec::new())).await;
+        let response = result.unwrap_or_else(|err| panic!("piece {piece}: {err:?}"));
+        assert_eq!(
+            response.message.content.as_deref(),
+            Some("You have two open tickets.")
+        );
+        assert_eq!(deltas, vec!["You have ", "two open ", "tickets."]);
+        assert_eq!(response.message.role, MessageRole::Assistant);
+        assert!(response.message.tool_calls.is_empty());
+        assert_eq!(response.finish_reason, "stop");
+        assert_eq!(
+            (
+                response.usage.input_tokens,
+                response.usage.output_tokens,
+                response.usage.total_tokens
+            ),
+            (57, 7, 64)
+        );
+        let sent = only_request(&server);
+        assert_eq!(sent.authorization.as_deref(), Some("Bearer sk-test-key"));
+        assert_eq!(sent.body["model"], "gpt-4o-mini");
+        assert_eq!(sent.body["stream"], true);
+        assert_eq!(sent.body["stream_options"]["include_usage"], true);
+        assert_eq!(sent.body["temperature"], 0.5);
+        assert_eq!(sent.body["max_tokens"], 256);
+        assert_eq!(
+            sent.body["messages"],
+            json!([
+                {"role": "system", "content": "You help with tickets."},
+                {"role": "user", "content": "How many open tickets?"}
+            ])
+        );
+        assert!(sent.body.get("tools").is_none(), "no tools, no tools field");
+    }
+}
+
+#[tokio::test]
+async fn interleaved_tool_call_fragments_are_assembled_per_index() {
+    for piece in [1, 5, 4096] {
+        let server = ReplayChatServer::start(vec![Reply::Stream {
+            transcript: openai_fixture("tool_calls.sse"),
+            piece,
+        }])
+        .await;
+        let tools = vec![ToolSpec {
+            name: "search_tickets".into(),
+            description: "Searches tickets".into(),
+            parameters_schema: r#"{"type":"object","properties":{"status":{"type":"string"}}}"#
+                .into(),
+            effect: None,
+        }];
+        let (result, deltas) = complete(&server, request(tools)).await;
+        let response = result.unwrap_or_else(|err| panic!("piece {piece}: {err:?}"));
+        assert!(deltas.is_empty(), "{deltas:?}");
+        assert_eq!(response.finish_reason, "tool_calls");
+        let calls: Vec<(String, String, Value)> = response
+            .message
+            .tool_calls
+            .iter()
+            .map(|c| {
+                (
+                    c.id.clone(),
+                    c.name.clone(),
+                    serde_json::from_str(&c.arguments)
+                        .unwrap_or_else(|err| panic!("{}: {err}", c.arguments)),
+                )
+            })
+            .collect();
+        assert_eq!(
+            calls,
+            vec![
+                (
+                    "call_Xk1".to_string(),
+                    "search_tickets".to_string(),
+                    json!({"status": "open"})
+                ),
+                (
+                    "call_Yq2".to_string(),
+                    "refund_order".to_string(),
+                    json!({"order_id": 7, "reason": "damaged étui"})
+                ),
+            ]
+        );
+        assert_eq!(
+            (response.usage.input_tokens, response.usage.output_tokens),
+            (112, 41)
+        );
+        let sent = only_request(&server);
+        assert_eq!(
+            sent.body["tools"],
+            json!([{"type": "function", "function": {
+                "name": "search_tickets", "description": "Searches tickets",
+                "parameters": {"type": "object", "properties": {"status": {"type": "string"}}}
+            }}])
+        );
+    }
+}
+
+#[tokio::test]
+async fn errors_are_typed_rejected_or_transient() {
+    let server = ReplayChatServer::start(vec![
+        Reply::Error {
+            status: 401,
+            message: "Incorrect API key provided".into(),
+        },
+        Reply::Error {
+            status: 400,
+            message: "messages is required".into(),
+        },
+        Reply::Error {
+            status: 429,
+            message: "Rate limit reached".into(),
+        },
+        Reply::Error {
+            status: 503,
+            message: "overloaded".into(),
+        },
+        Reply::Truncated {
+            transcript: openai_fixture("text.sse"),
+        },
+    ])
+    .await;
+    type Check = fn(&ModelError) -> bool;
+    let expect: [(&str, Check); 5] = [
+        ("Incorrect API key provided", |e| {
+            matches!(e, ModelError::Rejected(_))
+        }),
+        ("messages is required", |e| {
+            matches!(e, ModelError::Rejected(_))
+        }),
+        ("Rate limit reached", |e| {
+            matches!(e, ModelError::Transient(_))
+        }),
+        ("overloaded", |e| matches!(e, ModelError::Transient(_))),
+        ("ended before data: [DONE]", |e| {
+            matches!(e, ModelError::Transient(_))
+        }),
+    ];
+    for (needle, kind) in expect {
+        let (result, _) = complete(&server, request(Vec::new())).await;
+        let err = match result {
+            Ok(response) => panic!("{needle}: got {response:?}"),
+            Err(err) => err,
+        };
+        assert!(kind(&err), "{needle}: {err:?}");
+        assert!(format!("{err:?}").contains(needle), "{err:?}");
+    }
+    // Nobody listening: transient, and the message names the URL.
+    let closed = OpenAiProvider::new(OpenAiConfig::new("http://127.0.0.1:9/v1", "m")).unwrap();
+    let sink = Arc::new(CollectingEvents::default());
+    let writer = EventWriter::new(step_tag("s", "turn-1", "x", 1), sink, 1 << 20);
+    match closed.complete(request(Vec::new()), &writer).await {
+        Err(ModelError::Transient(message)) => {
+            assert!(message.contains("127.0.0.1:9"), "{message}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(OpenAiProvider::new(OpenAiConfig::new("ftp://x", "m")).is_err());
+}
+
+/// dexa.toml names an `openai` model; a session's RunModel streams from the
+/// loopback server, records its usage, and the key never reaches the runner.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_runs_on_the_openai_provider_named_in_dexa_toml() {
+    let server = ReplayChatServer::start(vec![Reply::Stream {
+        transcript: openai_fixture("text.sse"),
+        piece: 3,
+    }])
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let script = json!({"turns": [{"steps": [{"model": true}]}]}).to_string();
+    let text = format!(
+        "store = \"sqlite:store.sqlite\"\ncache_dir = {cache:?}\n\
+         [components.runner]\npath = {runner:?}\nconfig = {{ script = {script:?} }}\n\
+         [models.gpt]\nprovider = \"openai\"\nbase_url = {base:?}\nmodel = \"gpt-4o-mini\"\napi_key_env = \"DEXA_TEST_OPENAI_KEY\"\n\
+         [agents.Helpdesk]\nrunner = \"runner\"\nmodel = \"gpt\"\n",
+        cache = repo_root().join("target").join("test-component-cache"),
+        runner = guest_wasm("scripted-runner"),
+        base = server.base_url,
+    );
+    let path = dir.path().join("dexa.toml");
+    std::fs::write(&path, &text).unwrap();
+    let config = DexaConfig::load(&path).unwrap_or_else(|err| panic!("{err}"));
+    // The key variable must be set; its absence is a named error.
+    let missing = Deployment::for_workers(config.clone(), &|_| {}).await;
+    let err = match missing {
+        Ok(_) => panic!("loaded without the key"),
+        Err(err) => format!("{err:#}"),
+    };
+    assert!(
+        err.contains("its API key variable DEXA_TEST_OPENAI_KEY is not set"),
+        "{err}"
+    );
+    // A variable that is set, without changing this process's environment:
+    // cargo gives test processes CARGO_PKG_NAME.
+    let mut config = config;
+    let key = std::env::var("CARGO_PKG_NAME").unwrap();
+    for model in config.models.values_mut() {
+        if let ModelConfig::OpenAi { api_key_env, .. } = model {
+            *api_key_env = Some("CARGO_PKG_NAME".to_string());
+        }
+    }
+    let deployment = Deployment::for_workers(config, &|_| {}).await.unwrap();
+    let worker = tokio::spawn(deployment.worker().run(std::future::pending()));
+    let sessions = deployment.sessions("Helpdesk").unwrap();
+    sessions
+        .start_session("s1", "How many open tickets?")
+        .await
+        .unwrap();
+    let snapshot =
+        tokio::time::timeout(Duration::from_secs(30), wait_for_turns(&sessions, "s1", 1))
+            .await
+            .unwrap();
+    worker.abort();
+    assert_eq!(
+        snapshot
+            .messages
+            .last()
+            .and_then(|m| m.text.clone())
+            .as_deref(),
+        Some("You have two open tickets.")
+    );
+    assert_eq!(
+        (
+            snapshot.usage.input_tokens,
+            snapshot.usage.output_tokens,
+            snapshot.usage.model_calls
+        ),
+        (57, 7, 1)
+    );
+    let sent = only_request(&server);
+    assert_eq!(sent.authorization, Some(format!("Bearer {key}")));
+    assert_eq!(
+        sent.body["messages"][0]["content"],
+        "How many open tickets?"
+    );
+    let deltas: Vec<String> = dexa_tests::session::all_events(&sessions, "s1")
+        .await
+        .into_iter()
+        .filter(|e| e.event_type == dexa::session::event_type::TEXT_DELTA)
+        .filter_map(|e| e.data["text"].as_str().map(str::to_string))
+        .collect();
+    assert_eq!(deltas.concat(), "You have two open tickets.");
+}
