@@ -13,8 +13,8 @@ for component in rustfmt clippy; do
         || { echo "rustup component $component is missing: rustup component add $component"; exit 1; }
 done
 
-step "browser for the web viewer test: Debian's chromium and chromium-driver"
-browser_packages=(chromium chromium-driver)
+step "browser for the web viewer test (Debian's chromium, chromium-driver) and curl for the README walkthrough"
+browser_packages=(chromium chromium-driver curl)
 missing=()
 for pkg in "${browser_packages[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")

@@ -18,6 +18,7 @@ pub struct ApiServer {
     /// `http://127.0.0.1:<port>`
     pub base: String,
     pub dir: tempfile::TempDir,
+    pub deployment: Arc<Deployment>,
     server: tokio::task::JoinHandle<()>,
     worker: tokio::task::JoinHandle<()>,
 }
@@ -63,7 +64,7 @@ impl ApiServer {
         );
         let worker = tokio::spawn(deployment.worker().run(std::future::pending()));
         let app = router(ApiState {
-            deployment,
+            deployment: deployment.clone(),
             token: Some(Arc::new(TEST_TOKEN.to_string())),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
@@ -78,6 +79,7 @@ impl ApiServer {
         Self {
             base: format!("http://{address}"),
             dir,
+            deployment,
             server,
             worker,
         }

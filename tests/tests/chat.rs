@@ -19,13 +19,14 @@ struct Terminal {
 }
 
 impl Terminal {
-    fn start(config: &std::path::Path) -> Self {
+    /// `stderr` receives what dexa chat prints there (load progress).
+    fn start(config: &std::path::Path, stderr: std::fs::File) -> Self {
         let mut child = Command::new(dexa_binary())
             .args(["chat", "Helpdesk", "--config"])
             .arg(config)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(Stdio::null())
+            .stderr(stderr)
             .kill_on_drop(true)
             .spawn()
             .unwrap();
@@ -115,8 +116,13 @@ async fn chat_streams_asks_for_approval_and_reattaches_after_a_restart() {
             {"steps": [{"text": "Hello again."}]}
         ]}),
     );
-    let mut terminal = Terminal::start(&config);
+    let progress = dir.path().join("chat-stderr.txt");
+    let mut terminal = Terminal::start(&config, std::fs::File::create(&progress).unwrap());
     let opened = terminal.expect("you> ").await;
+    let shown = std::fs::read_to_string(&progress).unwrap();
+    for line in ["[1/2] loading gates...", "[2/2] loading runner..."] {
+        assert!(shown.contains(line), "progress {line:?} in:\n{shown}");
+    }
     assert!(opened.contains("new session chat-helpdesk-"), "{opened}");
     terminal.type_line("pay invoice 7").await;
     terminal.expect("agent> Let me pay that.").await;
@@ -136,7 +142,7 @@ async fn chat_streams_asks_for_approval_and_reattaches_after_a_restart() {
     terminal.close().await;
 
     // A new process reattaches to the same session.
-    let mut terminal = Terminal::start(&config);
+    let mut terminal = Terminal::start(&config, std::fs::File::create(&progress).unwrap());
     let resumed = terminal.expect("you> ").await;
     assert!(
         resumed.contains("resuming session chat-helpdesk-"),

@@ -101,7 +101,8 @@ async fn wait_for_js(client: &Client, description: &str, script: &str) -> serde_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_viewer_starts_a_session_shows_live_text_and_approves_a_tool_call() {
     let server = ApiServer::helpdesk(json!({"turns": [{"steps": [
-        {"text": "Let me pay that.", "deltas": ["Let me ", "pay that."],
+        // Attempt 1 streams its text, then fails; attempt 2 streams it again.
+        {"text": "Let me pay that.", "deltas": ["Let me ", "pay that."], "fail_after_deltas": 1,
          "tool_calls": [{"id": "pay", "name": "log", "arguments": {"name": "pay"}}]},
         {"text": "Paid.", "deltas": ["Paid."]}
     ]}]}))
@@ -120,14 +121,29 @@ async fn the_viewer_starts_a_session_shows_live_text_and_approves_a_tool_call() 
         message.send_keys("Pay invoice 7").await?;
         client.find(Locator::Id("start-button")).await?.click().await?;
 
-        // Live text streams in while the tool waits for approval.
+        // Live text streams in while the tool waits for approval. The UI
+        // rule: within one Step execution only the highest attempt's text
+        // stays, so attempt 1's partial text is gone once attempt 2 streams.
         let live = wait_for_js(
             &client,
-            "live text",
-            "const b = document.querySelector('#live .live-block'); return b && b.textContent.includes('Let me pay that.') ? [b.dataset.turn, b.dataset.attempt] : null;",
+            "attempt 2's live text",
+            "const b = [...document.querySelectorAll('#live .live-block')]; return b.some(e => e.dataset.attempt === '2') ? b.map(e => [e.dataset.turn, e.dataset.attempt, e.textContent]) : null;",
         )
         .await;
-        assert_eq!(live, json!(["turn-1", "1"]));
+        let blocks = live.as_array().cloned().unwrap_or_default();
+        assert_eq!(blocks.len(), 1, "{live}");
+        assert_eq!(blocks[0][1], "2");
+        assert!(blocks[0][2].as_str().unwrap_or("").ends_with("attempt 2Let me pay that."), "{live}");
+        // Attempt 1's text did reach the stream: the page dropped it.
+        let session_id = client.current_url().await?.fragment().unwrap_or_default().trim_start_matches("/s/").to_string();
+        let sessions = server.deployment.sessions("Helpdesk").unwrap();
+        let (events, _) = sessions.read_events(&session_id, 0, 1000).await.unwrap();
+        let first_attempt: String = events
+            .iter()
+            .filter(|(_, e)| e.event_type == "text_delta" && e.attempt == 1)
+            .filter_map(|(_, e)| e.data["text"].as_str())
+            .collect();
+        assert_eq!(first_attempt, "Let me pay that.");
         // Found and clicked in one script: the page redraws the approvals
         // as events arrive, so a held element could go stale.
         let clicked = wait_for_js(
@@ -147,7 +163,6 @@ async fn the_viewer_starts_a_session_shows_live_text_and_approves_a_tool_call() 
         )
         .await;
         let messages: Vec<String> = serde_json::from_value(messages).unwrap_or_default();
-        let session_id = client.current_url().await?.fragment().unwrap_or_default().trim_start_matches("/s/").to_string();
         assert_eq!(
             messages,
             vec![

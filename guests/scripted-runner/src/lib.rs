@@ -22,7 +22,8 @@
 //! ```
 //! and may also carry `"usage": {"input": 10, "output": 5}`,
 //! `"fail_attempts": N` (attempts 1..=N return an error),
-//! `"trap_attempts": N` (attempts 1..=N trap), `"heartbeat": true` and
+//! `"trap_attempts": N` (attempts 1..=N trap), `"fail_after_deltas": N`
+//! (attempts 1..=N stream the step's deltas, then fail), `"heartbeat": true` and
 //! `"model_twice": true` (with `model`: calls the model a second time and
 //! appends that call's result to the answer, to test the host's one-call rule),
 //! `"run_state": "..."` (overrides the run state it returns, to test the host's
@@ -74,6 +75,8 @@ struct StepScript {
     fail_attempts: u32,
     #[serde(default)]
     trap_attempts: u32,
+    #[serde(default)]
+    fail_after_deltas: u32,
     #[serde(default)]
     heartbeat: bool,
     run_state: Option<String>,
@@ -412,6 +415,23 @@ impl Guest for ScriptedRunner {
         }
         if turn.attempt <= step_script.fail_attempts {
             return Err(format!("scripted failure on attempt {}", turn.attempt));
+        }
+        if turn.attempt <= step_script.fail_after_deltas {
+            // A model call that streamed part of its answer, then broke.
+            let text = step_script.text.clone().unwrap_or_default();
+            for delta in step_script
+                .deltas
+                .clone()
+                .unwrap_or_else(|| vec![text.clone()])
+            {
+                events::write_text_delta(&delta);
+            }
+            // Long enough for the host to publish the live text.
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            return Err(format!(
+                "scripted failure after streaming, on attempt {}",
+                turn.attempt
+            ));
         }
         if step_script.model {
             return model_step(&turn, state, step_script.model_twice);

@@ -22,6 +22,7 @@ use axum::{Json, Router};
 use futures_util::Stream;
 use serde::Deserialize;
 use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
 pub use error::ApiError;
@@ -93,9 +94,15 @@ async fn require_token(State(state): State<ApiState>, request: Request, next: Ne
             .headers()
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
+            .and_then(|v| v.split_once(' '))
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .map(|(_, token)| token.trim())
             .unwrap_or("");
-        let matches: bool = presented.as_bytes().ct_eq(token.as_bytes()).into();
+        // Digests of equal length: the comparison reveals neither the
+        // token nor its length.
+        let presented = Sha256::digest(presented.as_bytes());
+        let expected = Sha256::digest(token.as_bytes());
+        let matches: bool = presented.ct_eq(&expected).into();
         if !matches {
             return ApiError::unauthorized().into_response();
         }
@@ -387,9 +394,18 @@ async fn events(
         |(sessions, session_id, mut after, mut buffered)| async move {
             loop {
                 if let Some((seq, event)) = buffered.pop_front() {
-                    let sse = Event::default()
-                        .id(seq.to_string())
-                        .event(event.event_type.clone())
+                    // Stored types are names; one that is not is sent unnamed
+                    // rather than breaking the stream (Event::event panics on
+                    // a line break).
+                    let named = !event.event_type.is_empty()
+                        && !event.event_type.chars().any(char::is_control);
+                    let sse = Event::default().id(seq.to_string());
+                    let sse = if named {
+                        sse.event(event.event_type.clone())
+                    } else {
+                        sse
+                    };
+                    let sse = sse
                         .json_data(&event)
                         .unwrap_or_else(|_| Event::default().comment("unencodable event"));
                     return Some((Ok(sse), (sessions, session_id, after, buffered)));
@@ -401,6 +417,8 @@ async fn events(
                         }
                         buffered.extend(page);
                     }
+                    // A page of only unreadable events: step over it.
+                    Ok((_, next)) if next - 1 > after => after = next - 1,
                     Ok(_) => tokio::time::sleep(EVENT_POLL).await,
                     Err(err) => {
                         tracing::warn!(session_id, error = %err, "event stream ended");

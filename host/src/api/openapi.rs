@@ -119,49 +119,55 @@ pub fn document() -> Value {
         },
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-            "schemas": {
-                "Error": {"type": "object", "required": ["error"], "properties": {"error": {"type": "object", "required": ["code", "message"], "properties": {
-                    "code": {"type": "string", "enum": ["bad_request", "unauthorized", "not_found", "already_exists", "conflict", "not_running", "busy", "method_not_allowed", "store_unavailable", "internal"]},
-                    "message": {"type": "string"}}}}},
-                "AgentList": {"type": "object", "properties": {"agents": {"type": "array", "items": {"type": "object", "properties": {
-                    "name": {"type": "string"}, "runner": {"type": "string"}, "tool_components": {"type": "array", "items": {"type": "string"}}, "model": {"type": ["string", "null"]}}}}}},
-                "StartSession": {"type": "object", "properties": {"session_id": {"type": "string", "description": "Generated when absent"}, "message": {"type": "string"}}, "additionalProperties": false},
-                "SessionStarted": {"type": "object", "properties": {"session_id": {"type": "string"}, "agent": {"type": "string"}}},
-                "SessionList": {"type": "object", "properties": {"sessions": {"type": "array", "items": {"type": "object", "properties": {
-                    "session_id": {"type": "string"}, "agent": {"type": "string"}, "status": {"$ref": "#/components/schemas/FlowStatus"},
-                    "created_at": {"type": "integer"}, "updated_at": {"type": "integer"}, "error": {"type": ["string", "null"]}}}}}},
-                "FlowStatus": {"type": "string", "enum": ["running", "completed", "failed", "stopped"]},
-                "SendMessage": {"type": "object", "required": ["text"], "properties": {"text": {"type": "string"}}, "additionalProperties": false},
-                "Queued": {"type": "object", "properties": {"queued": {"type": "boolean"}}},
-                "ResolveInterrupt": {"type": "object", "required": ["interrupt_id", "approved"], "properties": {
-                    "interrupt_id": {"type": "string", "description": "<turn_id>/<tool_call_id>"}, "approved": {"type": "boolean"}, "rejection_message": {"type": ["string", "null"]}}},
-                "Resolved": {"type": "object", "properties": {"resolved": {"type": "boolean"}}},
-                "Stopped": {"type": "object", "properties": {"stopped": {"type": "boolean"}}},
-                "AgentMessage": {"type": "object", "properties": {
-                    "sequence": {"type": "integer"}, "turn_id": {"type": "string"}, "role": {"type": "string", "enum": ["system", "user", "assistant", "tool"]},
-                    "framework_item": {"type": "string"}, "text": {"type": ["string", "null"]}}},
-                "AgentMessagesPage": {"type": "object", "properties": {
-                    "messages": {"type": "array", "items": {"$ref": "#/components/schemas/AgentMessage"}}, "next_after_sequence": {"type": ["integer", "null"]}}},
-                "AgentToolCall": {"type": "object", "properties": {
-                    "tool_call_id": {"type": "string"}, "turn_id": {"type": "string"}, "tool_name": {"type": "string"}, "arguments": {"type": "string"},
-                    "effect": {"type": "string", "enum": ["read", "idempotent_write", "non_idempotent_write", "unclassified"]},
-                    "requires_approval": {"type": "boolean"},
-                    "status": {"type": "string", "enum": ["pending", "approved", "rejected", "succeeded", "failed", "outcome_unknown"]},
-                    "output": {"type": ["string", "null"]}, "error": {"type": ["string", "null"]}, "rejection_message": {"type": ["string", "null"]}, "deferral_order": {"type": "integer"}}},
-                "AgentSnapshot": {"type": "object", "properties": {
-                    "session_id": {"type": "string"}, "agent": {"type": "string"}, "flow_status": {"$ref": "#/components/schemas/FlowStatus"},
-                    "state": {"type": ["object", "null"]},
-                    "messages": {"type": "array", "items": {"$ref": "#/components/schemas/AgentMessage"}},
-                    "pending_interrupts": {"type": "array", "items": {"type": "object"}},
-                    "tool_calls": {"type": "array", "items": {"$ref": "#/components/schemas/AgentToolCall"}},
-                    "usage": {"type": "object"}, "queued_message_count": {"type": "integer"}}},
-                "StepHistory": {"type": "object", "properties": {"steps": {"type": "array", "items": {"type": "object", "properties": {
-                    "event_type": {"type": "string", "enum": ["execute_completed", "attempt_failed", "execute_failed", "redelivered"]},
-                    "step_type": {"type": "string"}, "step_execution_id": {"type": "string"}, "final_attempt": {"type": "integer"},
-                    "at": {"type": "integer"}, "detail": {"type": ["string", "null"]}}}}}},
-                "AgentEvent": {"type": "object", "properties": {
-                    "type": {"type": "string"}, "turn_id": {"type": "string"}, "step_execution_id": {"type": "string"}, "attempt": {"type": "integer"}, "data": {"type": "object"}}}
-            }
+            "schemas": schemas()
         }
+    })
+}
+
+fn schemas() -> Value {
+    json!({
+        "Error": {"type": "object", "required": ["error"], "properties": {"error": {"type": "object", "required": ["code", "message"], "properties": {
+            "code": {"type": "string", "enum": ["bad_request", "unauthorized", "not_found", "already_exists", "conflict", "not_running", "busy", "method_not_allowed", "store_unavailable", "internal"]},
+            "message": {"type": "string"}}}}},
+        "AgentList": {"type": "object", "properties": {"agents": {"type": "array", "items": {"type": "object", "properties": {
+            "name": {"type": "string"}, "runner": {"type": "string"}, "tool_components": {"type": "array", "items": {"type": "string"}}, "model": {"type": ["string", "null"]}}}}}},
+        "StartSession": {"type": "object", "properties": {"session_id": {"type": "string", "description": "Generated when absent"}, "message": {"type": "string"}}, "additionalProperties": false},
+        "SessionStarted": {"type": "object", "properties": {"session_id": {"type": "string"}, "agent": {"type": "string"}}},
+        "SessionList": {"type": "object", "properties": {"sessions": {"type": "array", "items": {"type": "object", "properties": {
+            "session_id": {"type": "string"}, "agent": {"type": "string"}, "status": {"$ref": "#/components/schemas/FlowStatus"},
+            "created_at": {"type": "integer"}, "updated_at": {"type": "integer"}, "error": {"type": ["string", "null"]}}}}}},
+        "FlowStatus": {"type": "string", "enum": ["running", "completed", "failed", "stopped"]},
+        "SendMessage": {"type": "object", "required": ["text"], "properties": {"text": {"type": "string"}}, "additionalProperties": false},
+        "Queued": {"type": "object", "properties": {"queued": {"type": "boolean"}}},
+        "ResolveInterrupt": {"type": "object", "required": ["interrupt_id", "approved"], "properties": {
+            "interrupt_id": {"type": "string", "description": "<turn_id>/<tool_call_id>"}, "approved": {"type": "boolean"}, "rejection_message": {"type": ["string", "null"]}}},
+        "Resolved": {"type": "object", "properties": {"resolved": {"type": "boolean"}}},
+        "Stopped": {"type": "object", "properties": {"stopped": {"type": "boolean"}}},
+        "AgentMessage": {"type": "object", "properties": {
+            "sequence": {"type": "integer"}, "turn_id": {"type": "string"}, "role": {"type": "string", "enum": ["system", "user", "assistant", "tool"]},
+            "framework_item": {"type": "string"}, "text": {"type": ["string", "null"]}}},
+        "AgentMessagesPage": {"type": "object", "properties": {
+            "messages": {"type": "array", "items": {"$ref": "#/components/schemas/AgentMessage"}}, "next_after_sequence": {"type": ["integer", "null"]}}},
+        "AgentToolCall": {"type": "object", "properties": {
+            "tool_call_id": {"type": "string"}, "turn_id": {"type": "string"}, "tool_name": {"type": "string"}, "arguments": {"type": "string"},
+            "effect": {"type": "string", "enum": ["read", "idempotent_write", "non_idempotent_write", "unclassified"]},
+            "requires_approval": {"type": "boolean"},
+            "status": {"type": "string", "enum": ["pending", "approved", "rejected", "succeeded", "failed", "outcome_unknown"]},
+            "output": {"type": ["string", "null"]}, "error": {"type": ["string", "null"]}, "rejection_message": {"type": ["string", "null"]}, "deferral_order": {"type": "integer"}}},
+        "AgentSnapshot": {"type": "object", "properties": {
+            "session_id": {"type": "string"}, "agent": {"type": "string"}, "flow_status": {"$ref": "#/components/schemas/FlowStatus"},
+            "state": {"type": ["object", "null"]},
+            "messages": {"type": "array", "items": {"$ref": "#/components/schemas/AgentMessage"}},
+            "pending_interrupts": {"type": "array", "items": {"type": "object"}},
+            "tool_calls": {"type": "array", "items": {"$ref": "#/components/schemas/AgentToolCall"}},
+            "usage": {"type": "object"}, "queued_message_count": {"type": "integer"}}},
+        "StepHistory": {"type": "object", "properties": {"steps": {"type": "array", "items": {"type": "object", "properties": {
+            "event_type": {"type": "string", "enum": ["execute_completed", "attempt_failed", "execute_failed", "redelivered"]},
+            "step_type": {"type": "string"}, "step_execution_id": {"type": "string"}, "final_attempt": {"type": "integer"},
+            "at": {"type": "integer", "description": "when the reported attempt ended (ms)"},
+            "started_at": {"type": ["integer", "null"], "description": "when the reported attempt started (ms)"},
+            "detail": {"type": ["string", "null"]}}}}}},
+        "AgentEvent": {"type": "object", "properties": {
+            "type": {"type": "string"}, "turn_id": {"type": "string"}, "step_execution_id": {"type": "string"}, "attempt": {"type": "integer"}, "data": {"type": "object"}}}
     })
 }

@@ -152,6 +152,10 @@ pub async fn run(args: ChatArgs) -> anyhow::Result<()> {
 
 impl Chat {
     async fn reattach(&mut self) -> anyhow::Result<()> {
+        // The cursor first: an event raised meanwhile is then seen twice at
+        // worst (the snapshot and the stream), never missed.
+        let (_, next) = self.sessions.read_events(&self.session_id, 0, 1).await?;
+        self.cursor = next - 1;
         let snapshot = self.sessions.get_agent_snapshot(&self.session_id).await?;
         println!(
             "resuming session {} ({} messages; /quit to leave)",
@@ -166,9 +170,6 @@ impl Chat {
                 message.text.as_deref().unwrap_or("")
             );
         }
-        // Show only what happens from now on.
-        let (_, next) = self.sessions.read_events(&self.session_id, 0, 1).await?;
-        self.cursor = next - 1;
         let busy = snapshot
             .state
             .as_ref()
@@ -213,15 +214,35 @@ impl Chat {
     /// approvals on the way.
     async fn follow_turn(&mut self) -> anyhow::Result<()> {
         let mut in_text = false;
+        let mut quiet_polls = 0u32;
         loop {
             let (events, _) = self
                 .sessions
                 .read_events(&self.session_id, self.cursor, 200)
                 .await?;
             if events.is_empty() {
+                // Now and then, check that a turn can still end: the session
+                // may have been stopped, or its end event trimmed away.
+                quiet_polls += 1;
+                if quiet_polls.is_multiple_of(33) {
+                    let snapshot = self.sessions.get_agent_snapshot(&self.session_id).await?;
+                    if snapshot.flow_status != FlowStatus::Running {
+                        println!("\n  [the session is {}]", snapshot.flow_status.as_str());
+                        return Ok(());
+                    }
+                    let idle = snapshot
+                        .state
+                        .as_ref()
+                        .is_some_and(|s| s.active_turn_id.is_none())
+                        && snapshot.queued_message_count == 0;
+                    if idle {
+                        return Ok(());
+                    }
+                }
                 tokio::time::sleep(POLL).await;
                 continue;
             }
+            quiet_polls = 0;
             for (seq, event) in events {
                 self.cursor = seq;
                 let data = &event.data;

@@ -12,6 +12,9 @@ use super::worker::{print_progress, shutdown_signal};
 use crate::api::{router, ApiState};
 use crate::config::{Deployment, DexaConfig};
 
+/// How long open requests (event streams) may run on after a stop signal.
+const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(3);
+
 #[derive(Args, Debug)]
 pub struct ServeArgs {
     /// The config file.
@@ -125,13 +128,64 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         "dexa serve: http://{address} (API under /v1, OpenAPI at /openapi.json); agents {agents:?}; {}; the API token is in {source}",
         if args.no_worker { "no worker (run dexa worker)" } else { "with a worker" }
     );
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown_signal())
-        .await
-        .context("the HTTP server failed")?;
+    // Event streams never end by themselves: after the signal, open
+    // requests get a few seconds, then the server stops anyway.
+    let (stopping, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = axum::serve(listener, app).with_graceful_shutdown(async move {
+        shutdown_signal().await;
+        let _ = stopping.send(());
+    });
+    tokio::select! {
+        served = server => served.context("the HTTP server failed")?,
+        _ = async {
+            if stopped.await.is_ok() {
+                tokio::time::sleep(SHUTDOWN_GRACE).await;
+            } else {
+                std::future::pending::<()>().await;
+            }
+        } => eprintln!("closed the event streams still open"),
+    }
     if let Some(worker) = worker {
         worker.abort();
     }
     eprintln!("dexa serve stopped");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_token_comes_from_a_file_else_is_generated_once_and_private() {
+        let dir = tempfile::tempdir().unwrap_or_else(|err| panic!("{err}"));
+        let config = DexaConfig::parse(dir.path().join("dexa.toml"), "")
+            .unwrap_or_else(|err| panic!("{err}"));
+        let file = dir.path().join("token");
+        std::fs::write(&file, "  s3cret \n").unwrap_or_else(|err| panic!("{err}"));
+        let (token, source) =
+            resolve_token(Some(&file), &config).unwrap_or_else(|err| panic!("{err}"));
+        assert_eq!(token, "s3cret");
+        assert!(source.contains("token"), "{source}");
+        std::fs::write(&file, " \n").unwrap_or_else(|err| panic!("{err}"));
+        let empty = resolve_token(Some(&file), &config).map_err(|err| err.to_string());
+        assert!(empty.is_err_and(|e| e.contains("is empty")));
+        let missing =
+            resolve_token(Some(&dir.path().join("nope")), &config).map_err(|err| err.to_string());
+        assert!(missing.is_err_and(|e| e.contains("cannot read the token file")));
+        if std::env::var_os("DEXA_API_TOKEN").is_none() {
+            let (first, source) =
+                resolve_token(None, &config).unwrap_or_else(|err| panic!("{err}"));
+            assert_eq!(first.len(), 64);
+            assert!(source.contains("generated"), "{source}");
+            let path = generated_token_path(&config);
+            use std::os::unix::fs::PermissionsExt;
+            let mode = std::fs::metadata(&path)
+                .map(|m| m.permissions().mode() & 0o777)
+                .unwrap_or(0);
+            assert_eq!(mode, 0o600);
+            let (second, _) = resolve_token(None, &config).unwrap_or_else(|err| panic!("{err}"));
+            assert_eq!(first, second, "one token per deployment");
+        }
+    }
 }

@@ -266,7 +266,7 @@ fn model_provider(
     model: &ModelConfig,
 ) -> anyhow::Result<Arc<dyn ModelProvider>> {
     match model {
-        ModelConfig::Scripted { responses } => {
+        ModelConfig::Scripted { responses, repeat } => {
             let text = std::fs::read_to_string(responses).map_err(|err| {
                 config.error(format!(
                     "model {name:?}: cannot read {}: {err}",
@@ -279,9 +279,12 @@ fn model_provider(
                     responses.display()
                 ))
             })?;
-            Ok(Arc::new(ScriptedModelProvider::new(
-                scripted.into_iter().map(into_response),
-            )))
+            let provider = ScriptedModelProvider::new(scripted.into_iter().map(into_response));
+            Ok(Arc::new(if *repeat {
+                provider.repeating()
+            } else {
+                provider
+            }))
         }
         ModelConfig::OpenAi {
             base_url,

@@ -123,7 +123,7 @@ pub struct ComponentConfig {
 pub enum ModelConfig {
     /// Replays the responses in a JSON file, in order. For tests and offline
     /// demos; it never contacts a model.
-    Scripted { responses: PathBuf },
+    Scripted { responses: PathBuf, repeat: bool },
     /// An OpenAI-compatible chat-completions server.
     OpenAi {
         base_url: String,
@@ -205,6 +205,8 @@ fn read_only() -> DirAccess {
 enum RawModel {
     Scripted {
         responses: String,
+        #[serde(default)]
+        repeat: bool,
     },
     Openai {
         base_url: Option<String>,
@@ -397,8 +399,9 @@ impl DexaConfig {
         for (name, model) in &raw.models {
             check_name(name, "model").map_err(|m| loc.at(model.span(), m))?;
             let config = match model.get_ref() {
-                RawModel::Scripted { responses } => ModelConfig::Scripted {
+                RawModel::Scripted { responses, repeat } => ModelConfig::Scripted {
                     responses: resolve(responses),
+                    repeat: *repeat,
                 },
                 RawModel::Openai {
                     base_url,

@@ -17,6 +17,9 @@ use crate::plugin::wit::{
 };
 use crate::plugin::{EventWriter, GuestEvent, ModelProvider};
 
+/// The most text and tool-call arguments one response may carry.
+pub const MAX_RESPONSE_BYTES: usize = 8 << 20;
+
 /// Where the provider is and which model it runs.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OpenAiConfig {
@@ -91,13 +94,22 @@ impl OpenAiProvider {
         if let Some(key) = &self.config.api_key {
             call = call.bearer_auth(key);
         }
-        let response = call
-            .send()
+        let idle = self.config.idle_timeout;
+        let response = tokio::time::timeout(idle, call.send())
             .await
+            .map_err(|_| {
+                ModelError::Transient(format!("{} did not answer within {idle:?}", self.url))
+            })?
             .map_err(|err| ModelError::Transient(format!("cannot reach {}: {err}", self.url)))?;
         let status = response.status();
         if !status.is_success() {
-            let body = response.text().await.unwrap_or_default();
+            // Only the start of an error body matters, and only for so long.
+            let body = tokio::time::timeout(idle, response.bytes())
+                .await
+                .ok()
+                .and_then(Result::ok)
+                .map(|b| String::from_utf8_lossy(&b[..b.len().min(64 << 10)]).into_owned())
+                .unwrap_or_default();
             let message = format!("{} answered {status}: {}", self.url, error_message(&body));
             let retryable = status.is_server_error()
                 || status == reqwest::StatusCode::TOO_MANY_REQUESTS
@@ -137,7 +149,13 @@ impl OpenAiProvider {
             let chunk: Chunk = serde_json::from_str(data).map_err(|err| {
                 ModelError::Transient(format!("a stream chunk is not a completion chunk: {err}"))
             })?;
-            if let Some(delta) = assembly.add(chunk)? {
+            let delta = assembly.add(chunk)?;
+            if assembly.bytes > MAX_RESPONSE_BYTES {
+                return Err(ModelError::Transient(format!(
+                    "the response grew past {MAX_RESPONSE_BYTES} bytes"
+                )));
+            }
+            if let Some(delta) = delta {
                 // A closed writer only means the call has ended.
                 let _ = events.write(GuestEvent::TextDelta { text: delta });
             }
@@ -303,6 +321,8 @@ struct Assembly {
     tool_calls: BTreeMap<u32, PartialToolCall>,
     finish_reason: Option<String>,
     usage: Option<Usage>,
+    /// Bytes of text and arguments so far.
+    bytes: usize,
 }
 
 impl Assembly {
@@ -323,7 +343,7 @@ impl Assembly {
                 output_tokens: usage.completion_tokens,
                 total_tokens: usage
                     .total_tokens
-                    .max(usage.prompt_tokens + usage.completion_tokens),
+                    .max(usage.prompt_tokens.saturating_add(usage.completion_tokens)),
             });
         }
         let mut text_delta: Option<String> = None;
@@ -336,6 +356,7 @@ impl Assembly {
                 continue;
             };
             if let Some(content) = delta.content.filter(|c| !c.is_empty()) {
+                self.bytes += content.len();
                 self.text.get_or_insert_with(String::new).push_str(&content);
                 text_delta
                     .get_or_insert_with(String::new)
@@ -351,6 +372,7 @@ impl Assembly {
                         call.name = name;
                     }
                     if let Some(arguments) = function.arguments {
+                        self.bytes += arguments.len();
                         call.arguments.push_str(&arguments);
                     }
                 }

@@ -214,6 +214,20 @@ impl events::Host for CallState {
     }
 
     fn write_event(&mut self, event_type: String, payload: String) -> wasmtime::Result<()> {
+        // A type is a name: it becomes an SSE `event:` line, which cannot
+        // hold a line break.
+        let valid_name = !event_type.is_empty()
+            && event_type.len() <= 100
+            && event_type
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | ':' | '/'));
+        if !valid_name {
+            tracing::warn!(
+                component = %self.component,
+                "dropped an event whose type is not a name of [A-Za-z0-9_.:/-], 1 to 100 bytes"
+            );
+            return Ok(());
+        }
         match serde_json::from_str::<serde_json::Value>(&payload) {
             Ok(payload @ serde_json::Value::Object(_)) => self.emit(GuestEvent::Custom {
                 event_type,

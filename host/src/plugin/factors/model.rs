@@ -26,6 +26,8 @@ pub trait ModelProvider: Send + Sync {
 pub struct ScriptedModelProvider {
     responses: Mutex<VecDeque<ModelResponse>>,
     requests: Mutex<Vec<ModelRequest>>,
+    /// Replays the responses again from the start once they run out.
+    repeat: bool,
 }
 
 impl ScriptedModelProvider {
@@ -33,7 +35,15 @@ impl ScriptedModelProvider {
         Self {
             responses: Mutex::new(responses.into_iter().collect()),
             requests: Mutex::new(Vec::new()),
+            repeat: false,
         }
+    }
+
+    /// Starts over after the last response instead of running out (for
+    /// demos that serve more than one session).
+    pub fn repeating(mut self) -> Self {
+        self.repeat = true;
+        self
     }
 
     /// The requests received so far, oldest first.
@@ -51,11 +61,13 @@ impl ModelProvider for ScriptedModelProvider {
             if let Ok(mut requests) = self.requests.lock() {
                 requests.push(request);
             }
-            let next = self
-                .responses
-                .lock()
-                .ok()
-                .and_then(|mut responses| responses.pop_front());
+            let next = self.responses.lock().ok().and_then(|mut responses| {
+                let next = responses.pop_front()?;
+                if self.repeat {
+                    responses.push_back(next.clone());
+                }
+                Some(next)
+            });
             let response = next.ok_or_else(|| {
                 ModelError::NotAvailable("the scripted model has no responses left".to_string())
             })?;

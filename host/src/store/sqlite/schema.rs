@@ -112,7 +112,12 @@ CREATE INDEX IF NOT EXISTS state_locks_by_task ON state_locks (task_id);
 ";
 
 pub(super) fn migrate(conn: &mut Connection) -> Result<(), StoreError> {
-    let version: i64 = conn
+    // The version is read inside the write lock, so two processes opening an
+    // old store at once do not both upgrade it.
+    let tx = conn
+        .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
+        .map_err(backend)?;
+    let version: i64 = tx
         .query_row("PRAGMA user_version", [], |row| row.get(0))
         .map_err(backend)?;
     if version > SCHEMA_VERSION {
@@ -120,9 +125,6 @@ pub(super) fn migrate(conn: &mut Connection) -> Result<(), StoreError> {
             "the store was written by a newer dexa (schema {version}, this one knows {SCHEMA_VERSION})"
         )));
     }
-    let tx = conn
-        .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
-        .map_err(backend)?;
     tx.execute_batch(SCHEMA).map_err(backend)?;
     // Schema 2: when each history entry's attempt started.
     if version == 1 {
@@ -132,4 +134,49 @@ pub(super) fn migrate(conn: &mut Connection) -> Result<(), StoreError> {
     tx.pragma_update(None, "user_version", SCHEMA_VERSION)
         .map_err(backend)?;
     tx.commit().map_err(backend)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A store written by schema 1 gains the history's start times; its old
+    /// rows read as unknown.
+    #[test]
+    fn a_schema_1_store_is_migrated_in_place() {
+        let mut conn = Connection::open_in_memory().unwrap_or_else(|err| panic!("{err}"));
+        conn.execute_batch(
+            "CREATE TABLE step_history (
+                entry_id INTEGER PRIMARY KEY AUTOINCREMENT, flow_id TEXT NOT NULL,
+                event_type TEXT NOT NULL, step_type TEXT NOT NULL,
+                step_execution_id TEXT NOT NULL, attempt INTEGER NOT NULL,
+                at_ms INTEGER NOT NULL, detail TEXT);
+             INSERT INTO step_history (flow_id, event_type, step_type, step_execution_id, attempt, at_ms)
+                 VALUES ('f', 'execute_completed', 'A', 'x', 1, 5);
+             PRAGMA user_version = 1;",
+        )
+        .unwrap_or_else(|err| panic!("{err}"));
+        migrate(&mut conn).unwrap_or_else(|err| panic!("{err}"));
+        let version: i64 = conn
+            .query_row("PRAGMA user_version", [], |row| row.get(0))
+            .unwrap_or_else(|err| panic!("{err}"));
+        assert_eq!(version, SCHEMA_VERSION);
+        let started: Option<i64> = conn
+            .query_row("SELECT started_at_ms FROM step_history", [], |row| {
+                row.get(0)
+            })
+            .unwrap_or_else(|err| panic!("{err}"));
+        assert_eq!(started, None);
+        // Migrating again changes nothing.
+        migrate(&mut conn).unwrap_or_else(|err| panic!("{err}"));
+        conn.execute_batch("PRAGMA user_version = 99;")
+            .unwrap_or_else(|err| panic!("{err}"));
+        let newer = migrate(&mut conn)
+            .map(|_| ())
+            .map_err(|err| err.to_string());
+        assert!(
+            newer.as_ref().is_err_and(|e| e.contains("newer dexa")),
+            "{newer:?}"
+        );
+    }
 }
