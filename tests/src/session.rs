@@ -268,3 +268,18 @@ pub async fn all_events(sessions: &AgentSessionClient, session_id: &str) -> Vec<
         events.extend(page.into_iter().map(|(_, e)| e));
     }
 }
+
+/// The text of the session's last message.
+pub fn last_text(snapshot: &AgentSnapshot) -> Option<String> {
+    snapshot.messages.last().and_then(|m| m.text.clone())
+}
+
+/// The texts of the session's messages of `role`, oldest first.
+pub fn texts_of(snapshot: &AgentSnapshot, role: dexa::session::MessageRole) -> Vec<String> {
+    snapshot
+        .messages
+        .iter()
+        .filter(|m| m.role == role)
+        .filter_map(|m| m.text.clone())
+        .collect()
+}

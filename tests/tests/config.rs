@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use dexa::config::{Deployment, DexaConfig};
 use dexa_tests::kit::wait_for_turns;
+use dexa_tests::session::last_text;
 use dexa_tests::{guest_wasm, repo_root};
 use serde_json::json;
 
@@ -53,14 +54,7 @@ async fn a_scripted_model_from_the_config_answers_through_the_runner() {
             .await
             .unwrap();
     worker.abort();
-    assert_eq!(
-        snapshot
-            .messages
-            .last()
-            .and_then(|m| m.text.clone())
-            .as_deref(),
-        Some("replayed answer")
-    );
+    assert_eq!(last_text(&snapshot).as_deref(), Some("replayed answer"));
     assert_eq!(
         (snapshot.usage.input_tokens, snapshot.usage.output_tokens),
         (7, 3)

@@ -8,6 +8,7 @@ use dexa::session::{
     ToolEffect,
 };
 use dexa_tests::kit::{wait_for_agent_snapshot, wait_for_turns, AgentTestStack, KitAgent};
+use dexa_tests::session::{last_text, texts_of};
 use serde_json::{json, Value};
 
 const AGENT: &str = "Crash";
@@ -52,24 +53,6 @@ fn entries(history: &[StepHistoryEntry], step_type: &str) -> Vec<(String, u32)> 
         .collect()
 }
 
-fn user_texts(snapshot: &AgentSnapshot) -> Vec<String> {
-    snapshot
-        .messages
-        .iter()
-        .filter(|m| m.role == MessageRole::User)
-        .filter_map(|m| m.text.clone())
-        .collect()
-}
-
-fn tool_texts(snapshot: &AgentSnapshot) -> Vec<String> {
-    snapshot
-        .messages
-        .iter()
-        .filter(|m| m.role == MessageRole::Tool)
-        .filter_map(|m| m.text.clone())
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_killed_while_waiting_for_approval_is_replaced_and_the_tool_runs_once() {
     let mut stack = AgentTestStack::new(vec![agent(json!([{"steps": [
@@ -101,14 +84,7 @@ async fn a_worker_killed_while_waiting_for_approval_is_replaced_and_the_tool_run
     let snapshot = wait_for_turns(&sessions, "s1", 1).await;
     assert_eq!(stack.invocations().keys("pay"), vec!["s1/turn-1/pay"]);
     assert_eq!(finished(&stack, "pay").await, vec!["succeeded"]);
-    assert_eq!(
-        snapshot
-            .messages
-            .last()
-            .and_then(|m| m.text.clone())
-            .as_deref(),
-        Some("paid")
-    );
+    assert_eq!(last_text(&snapshot).as_deref(), Some("paid"));
 }
 
 /// Kills the worker while gate `name` holds tool call `id`, starts a
@@ -134,7 +110,10 @@ async fn a_read_tool_killed_mid_call_runs_again_and_its_result_is_recorded_once(
     let snapshot = kill_during_tool(&mut stack, "r").await;
     assert_eq!(stack.invocations().count("r"), 2, "the read ran again");
     assert_eq!(finished(&stack, "r").await, vec!["succeeded"]);
-    assert_eq!(tool_texts(&snapshot), vec!["gate r passed".to_string()]);
+    assert_eq!(
+        texts_of(&snapshot, MessageRole::Tool),
+        vec!["gate r passed".to_string()]
+    );
     let history = stack.read_step_history("s1").await;
     assert_eq!(
         entries(&history, step::CALL_TOOL),
@@ -159,7 +138,10 @@ async fn an_idempotent_write_killed_mid_call_runs_again_with_the_same_idempotenc
         vec!["s1/turn-1/w".to_string(), "s1/turn-1/w".to_string()]
     );
     assert_eq!(finished(&stack, "w").await, vec!["succeeded"]);
-    assert_eq!(tool_texts(&snapshot), vec!["gate w passed"]);
+    assert_eq!(
+        texts_of(&snapshot, MessageRole::Tool),
+        vec!["gate w passed"]
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -173,7 +155,7 @@ async fn a_non_idempotent_write_killed_mid_call_becomes_outcome_unknown_and_neve
     assert_eq!(stack.invocations().count("nw"), 1);
     assert_eq!(finished(&stack, "nw").await, vec!["outcome_unknown"]);
     // The runner's resumed model step got the outcome text as the tool result.
-    let texts = tool_texts(&snapshot);
+    let texts = texts_of(&snapshot, MessageRole::Tool);
     assert_eq!(texts.len(), 1);
     assert!(
         texts[0].starts_with("Tool call outcome is unknown; it may or may not have taken effect"),
@@ -213,14 +195,7 @@ async fn a_worker_killed_during_run_model_repeats_only_that_model_call() {
     );
     assert_eq!(log.count("t1"), 1, "the earlier tool Step did not repeat");
     assert_eq!(log.count("model-2"), 2, "the killed model call ran again");
-    assert_eq!(
-        snapshot
-            .messages
-            .last()
-            .and_then(|m| m.text.clone())
-            .as_deref(),
-        Some("answered")
-    );
+    assert_eq!(last_text(&snapshot).as_deref(), Some("answered"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -240,7 +215,7 @@ async fn two_gates_reached_at_once_prove_two_tool_steps_run_in_parallel() {
     stack.gate("b").wait_until_reached().await;
     let snapshot = wait_for_turns(&sessions, "s1", 1).await;
     assert_eq!(
-        tool_texts(&snapshot),
+        texts_of(&snapshot, MessageRole::Tool),
         vec!["gate a passed", "gate b passed"]
     );
     for id in ["a", "b"] {
@@ -272,11 +247,7 @@ async fn run_model_failing_three_times_records_the_turn_failure_note_and_the_nex
     assert_eq!(stack.invocations().count("m1"), 3);
     let state = snapshot.state.clone().unwrap();
     assert!(state.last_turn_error.is_some(), "{state:?}");
-    let note = snapshot
-        .messages
-        .last()
-        .and_then(|m| m.text.clone())
-        .unwrap_or_default();
+    let note = last_text(&snapshot).unwrap_or_default();
     assert_eq!(
         note,
         "[Dex] The previous turn failed after these tool calls ran:\n\
@@ -286,14 +257,7 @@ async fn run_model_failing_three_times_records_the_turn_failure_note_and_the_nex
     assert_eq!(stack.invocations().count("t"), 1);
     sessions.send_user_message("s1", "second").await.unwrap();
     let snapshot = wait_for_turns(&sessions, "s1", 2).await;
-    assert_eq!(
-        snapshot
-            .messages
-            .last()
-            .and_then(|m| m.text.clone())
-            .as_deref(),
-        Some("second turn works")
-    );
+    assert_eq!(last_text(&snapshot).as_deref(), Some("second turn works"));
     assert!(snapshot.state.unwrap().last_turn_error.is_none());
 }
 
@@ -323,15 +287,8 @@ async fn a_worker_killed_between_a_commit_and_the_next_step_loses_nothing() {
         (log.count("model-1"), log.count("t1"), log.count("model-2")),
         (1, 1, 1)
     );
-    assert_eq!(tool_texts(&snapshot).len(), 1);
-    assert_eq!(
-        snapshot
-            .messages
-            .last()
-            .and_then(|m| m.text.clone())
-            .as_deref(),
-        Some("resumed")
-    );
+    assert_eq!(texts_of(&snapshot, MessageRole::Tool).len(), 1);
+    assert_eq!(last_text(&snapshot).as_deref(), Some("resumed"));
     let history = stack.read_step_history("s1").await;
     assert_eq!(
         entries(&history, step::CALL_TOOL),
@@ -371,7 +328,10 @@ async fn a_worker_killed_in_await_user_message_with_messages_queued_loses_and_du
     wait_until_exited(&mut stack, second).await;
     stack.start_worker();
     let snapshot = wait_for_turns(&sessions, "s1", 3).await;
-    assert_eq!(user_texts(&snapshot), vec!["m1", "m2", "m3"]);
+    assert_eq!(
+        texts_of(&snapshot, MessageRole::User),
+        vec!["m1", "m2", "m3"]
+    );
     let assistant: Vec<String> = snapshot
         .messages
         .iter()
@@ -416,7 +376,7 @@ async fn a_single_attempt_tool_never_runs_again_when_its_worker_dies_after_it_st
         "the tool never ran again"
     );
     assert_eq!(finished(&stack, "u").await, vec!["outcome_unknown"]);
-    let texts = tool_texts(&snapshot);
+    let texts = texts_of(&snapshot, MessageRole::Tool);
     assert!(
         texts.len() == 1 && texts[0].starts_with("Tool call outcome is unknown"),
         "{texts:?}"

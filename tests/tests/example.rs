@@ -23,27 +23,37 @@ fn example_copy(root: &Path) -> PathBuf {
     example.join("dexa.toml")
 }
 
-#[tokio::test]
-async fn the_demo_command_runs_the_example_agent_offline() {
-    let dir = tempfile::tempdir().unwrap();
-    let config = example_copy(dir.path());
-    let output = tokio::process::Command::new(dexa_tests::kit::dexa_binary())
+/// Runs `dexa demo` on `config` with the tests' component cache and `env`
+/// (without `DEXA_MODEL` unless given); returns stdout and stderr of a run
+/// that succeeded.
+async fn run_demo(config: &Path, env: &[(&str, &str)]) -> (String, String) {
+    let mut command = tokio::process::Command::new(dexa_tests::kit::dexa_binary());
+    command
         .arg("demo")
         .arg("--config")
-        .arg(&config)
+        .arg(config)
         .arg("--cache-dir")
         .arg(repo_root().join("target").join("test-component-cache"))
         .env_remove("DEXA_MODEL")
-        .kill_on_drop(true)
-        .output()
-        .await
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
+        .kill_on_drop(true);
+    for (name, value) in env {
+        command.env(name, value);
+    }
+    let output = command.output().await.unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
     assert!(
         output.status.success(),
         "dexa demo failed:\n{stdout}\n{stderr}"
     );
+    (stdout, stderr)
+}
+
+#[tokio::test]
+async fn the_demo_command_runs_the_example_agent_offline() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = example_copy(dir.path());
+    let (stdout, stderr) = run_demo(&config, &[]).await;
     assert!(stdout.contains("(model: replay)"), "{stdout}");
     for line in [
         "[tool lookup_invoice call_lookup started]",
@@ -175,25 +185,15 @@ async fn two_environment_variables_switch_the_example_to_an_openai_model() {
     .await;
     let dir = tempfile::tempdir().unwrap();
     let config = example_copy(dir.path());
-    let output = tokio::process::Command::new(dexa_tests::kit::dexa_binary())
-        .arg("demo")
-        .arg("--config")
-        .arg(&config)
-        .arg("--cache-dir")
-        .arg(repo_root().join("target").join("test-component-cache"))
-        .env("DEXA_MODEL", "openai")
-        .env("OPENAI_API_KEY", "sk-example")
-        .env("DEXA_OPENAI_BASE_URL", &server.base_url)
-        .kill_on_drop(true)
-        .output()
-        .await
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        output.status.success(),
-        "dexa demo failed:\n{stdout}\n{stderr}"
-    );
+    let (stdout, _) = run_demo(
+        &config,
+        &[
+            ("DEXA_MODEL", "openai"),
+            ("OPENAI_API_KEY", "sk-example"),
+            ("DEXA_OPENAI_BASE_URL", &server.base_url),
+        ],
+    )
+    .await;
     assert!(stdout.contains("(model: openai)"), "{stdout}");
     assert!(
         stdout.contains("agent> You have two open tickets."),

@@ -13,6 +13,7 @@ use dexa::plugin::{EventWriter, GuestEvent, ModelProvider};
 use dexa::providers::{OpenAiConfig, OpenAiProvider};
 use dexa_tests::chat_server::{openai_fixture, ReceivedRequest, ReplayChatServer, Reply};
 use dexa_tests::kit::wait_for_turns;
+use dexa_tests::session::last_text;
 use dexa_tests::{guest_wasm, repo_root, step_tag, CollectingEvents};
 use serde_json::{json, Value};
 
@@ -291,11 +292,7 @@ async fn a_session_runs_on_the_openai_provider_named_in_dexa_toml() {
             .unwrap();
     worker.abort();
     assert_eq!(
-        snapshot
-            .messages
-            .last()
-            .and_then(|m| m.text.clone())
-            .as_deref(),
+        last_text(&snapshot).as_deref(),
         Some("You have two open tickets.")
     );
     assert_eq!(

@@ -13,7 +13,7 @@ use dexa::flow::{
 use dexa::plugin::{DirAccess, Grants};
 use dexa::session::*;
 use dexa_tests::session::{
-    all_events, wait_for_agent_snapshot, wait_for_turns, AgentSpec, SessionStack,
+    all_events, last_text, wait_for_agent_snapshot, wait_for_turns, AgentSpec, SessionStack,
 };
 use dexa_tests::toy::wait_until;
 use serde_json::{json, Value};
@@ -136,14 +136,7 @@ async fn a_turn_with_tools_follows_the_flow_shape() {
     let snapshot = wait_for_turns(&sessions, "s1", 2).await;
     let steps = executed(&stack.step_history("s1").await);
     assert_eq!(count(&steps, step::AWAIT_USER_MESSAGE), 1);
-    assert_eq!(
-        snapshot
-            .messages
-            .last()
-            .and_then(|m| m.text.clone())
-            .as_deref(),
-        Some("echo: again")
-    );
+    assert_eq!(last_text(&snapshot).as_deref(), Some("echo: again"));
 }
 
 #[tokio::test]

@@ -30,7 +30,8 @@ pub use error::ApiError;
 use crate::config::Deployment;
 use crate::flow::FlowInfo;
 use crate::session::{
-    AgentEvent, AgentSessionClient, ListAgentMessagesRequest, ResolveInterruptRequest,
+    new_session_id, AgentEvent, AgentSessionClient, ListAgentMessagesRequest,
+    ResolveInterruptRequest,
 };
 
 /// How often an SSE stream looks for new events (other processes write them).
@@ -187,21 +188,6 @@ fn check_session_id(id: &str) -> Result<(), ApiError> {
     Ok(())
 }
 
-fn new_session_id(agent: &str) -> String {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let millis = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis())
-        .unwrap_or(0);
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    format!(
-        "{}-{millis:x}-{:x}{n}",
-        agent.to_ascii_lowercase(),
-        std::process::id()
-    )
-}
-
 async fn start_session(
     State(state): State<ApiState>,
     Path(agent): Path<String>,
@@ -214,7 +200,7 @@ async fn start_session(
             check_session_id(&id)?;
             id
         }
-        None => new_session_id(&agent),
+        None => new_session_id(&agent.to_ascii_lowercase()),
     };
     sessions
         .start_session(&session_id, &request.message)

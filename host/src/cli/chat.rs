@@ -16,7 +16,7 @@ use tokio::io::{AsyncBufReadExt, BufReader, Lines, Stdin};
 use super::worker::print_progress;
 use crate::config::{Deployment, DexaConfig};
 use crate::flow::FlowStatus;
-use crate::session::{event_type, AgentSessionClient, ResolveInterruptRequest};
+use crate::session::{event_type, new_session_id, AgentSessionClient, ResolveInterruptRequest};
 
 #[derive(Args, Debug)]
 pub struct ChatArgs {
@@ -56,11 +56,7 @@ fn out(text: &str) {
 /// Where the last chat with `agent` is remembered: next to the config.
 fn memory_file(config: &DexaConfig, agent: &str) -> PathBuf {
     config
-        .file
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(std::path::Path::new("."))
-        .join(".dexa")
+        .local_dir()
         .join("chat")
         .join(format!("{agent}.session"))
 }
@@ -110,16 +106,10 @@ pub async fn run(args: ChatArgs) -> anyhow::Result<()> {
     }
     let (session_id, fresh) = match attached {
         Some(id) => (id, false),
-        None => {
-            let millis = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_millis())
-                .unwrap_or(0);
-            (
-                format!("chat-{}-{millis:x}", args.agent.to_ascii_lowercase()),
-                true,
-            )
-        }
+        None => (
+            new_session_id(&format!("chat-{}", args.agent.to_ascii_lowercase())),
+            true,
+        ),
     };
     if let Some(parent) = memory.parent() {
         std::fs::create_dir_all(parent)

@@ -12,7 +12,7 @@ use clap::Args;
 use super::worker::print_progress;
 use crate::config::{Deployment, DexaConfig, StoreUrl};
 use crate::flow::history;
-use crate::session::event_type;
+use crate::session::{event_type, new_session_id};
 
 #[derive(Args, Debug)]
 pub struct DemoArgs {
@@ -62,13 +62,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         .unwrap_or_else(|| "none".to_string());
     let worker = tokio::spawn(deployment.worker().run(std::future::pending()));
     let sessions = deployment.sessions(&args.agent)?;
-    let session_id = format!(
-        "demo-{:x}",
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_millis())
-            .unwrap_or(0)
-    );
+    let session_id = new_session_id("demo");
     println!(
         "session {session_id} of {} (model: {model})\nuser> {}",
         args.agent, args.message

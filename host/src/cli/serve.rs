@@ -79,13 +79,7 @@ pub fn resolve_token(
 
 /// `.dexa/api-token` next to the config file.
 pub fn generated_token_path(config: &DexaConfig) -> PathBuf {
-    config
-        .file
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."))
-        .join(".dexa")
-        .join("api-token")
+    config.local_dir().join("api-token")
 }
 
 fn write_private(path: &Path, text: &str) -> anyhow::Result<()> {

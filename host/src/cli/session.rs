@@ -10,7 +10,7 @@ use clap::{Args, Subcommand};
 use serde_json::json;
 
 use crate::config::{Deployment, DexaConfig};
-use crate::session::{AgentSessionClient, AgentSnapshot, ResolveInterruptRequest};
+use crate::session::{new_session_id, AgentSessionClient, AgentSnapshot, ResolveInterruptRequest};
 
 #[derive(Args, Debug)]
 pub struct SessionArgs {
@@ -137,13 +137,7 @@ pub async fn run(args: SessionArgs) -> anyhow::Result<()> {
         }
         SessionCommand::Start { agent, message, id } => {
             let sessions = deployment.sessions(&agent)?;
-            let id = id.unwrap_or_else(|| {
-                let millis = std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map(|d| d.as_millis())
-                    .unwrap_or(0);
-                format!("{}-{millis:x}", agent.to_ascii_lowercase())
-            });
+            let id = id.unwrap_or_else(|| new_session_id(&agent.to_ascii_lowercase()));
             sessions.start_session(&id, &message).await?;
             print(json!({"session_id": id, "agent": agent}), id.clone());
         }

@@ -136,14 +136,7 @@ impl Deployment {
                 agent.options.clone(),
             ));
         }
-        let registry = Arc::new(Registry::new(
-            flows.iter().map(AgentSessionFlow::definition),
-        )?);
-        Ok(Self {
-            config,
-            store,
-            registry,
-        })
+        Self::assemble(config, store, &flows)
     }
 
     /// What a client needs: the store and the agents' flow types, with no
@@ -155,6 +148,14 @@ impl Deployment {
             .values()
             .map(|agent| AgentSessionFlow::for_clients(agent.name.clone(), agent.options.clone()))
             .collect();
+        Self::assemble(config, store, &flows)
+    }
+
+    fn assemble(
+        config: DexaConfig,
+        store: Arc<dyn FlowStore>,
+        flows: &[AgentSessionFlow],
+    ) -> anyhow::Result<Self> {
         let registry = Arc::new(Registry::new(
             flows.iter().map(AgentSessionFlow::definition),
         )?);

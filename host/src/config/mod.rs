@@ -248,11 +248,7 @@ impl DexaConfig {
     /// Checks `text` as the contents of `file` (which anchors relative paths).
     pub fn parse(file: impl AsRef<Path>, text: &str) -> Result<Self, ConfigError> {
         let file = file.as_ref();
-        let base = file
-            .parent()
-            .filter(|p| !p.as_os_str().is_empty())
-            .unwrap_or(Path::new("."))
-            .to_path_buf();
+        let base = config_dir(file);
         let loc = Locator { file, text };
         let raw: RawConfig = toml::from_str(text)
             .map_err(|err| loc.at(err.span().unwrap_or(0..0), err.message().trim().to_string()))?;
@@ -511,6 +507,12 @@ impl DexaConfig {
         })
     }
 
+    /// `.dexa` next to the config file: where generated state (the API
+    /// token, remembered chats) lives.
+    pub fn local_dir(&self) -> PathBuf {
+        config_dir(&self.file).join(".dexa")
+    }
+
     /// An error about this file with no line (found after parsing).
     pub fn error(&self, message: impl Into<String>) -> ConfigError {
         ConfigError {
@@ -597,6 +599,14 @@ pub fn expand_env(value: &str) -> Result<String, String> {
     }
     out.push_str(rest);
     Ok(out)
+}
+
+/// The directory relative paths in `file` are relative to.
+fn config_dir(file: &Path) -> PathBuf {
+    file.parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
+        .to_path_buf()
 }
 
 /// `sqlite:PATH`, `sqlite://PATH` or a bare path.

@@ -284,3 +284,16 @@ impl AgentSessionClient {
         Ok((events, page.next_seq))
     }
 }
+
+/// A fresh session id, `<prefix>-<millis>-<pid><n>`: distinct across
+/// processes and within one.
+pub fn new_session_id(prefix: &str) -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let millis = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis())
+        .unwrap_or(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    format!("{prefix}-{millis:x}-{:x}{n}", std::process::id())
+}

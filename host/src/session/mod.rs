@@ -15,7 +15,7 @@ mod flow;
 pub mod records;
 mod steps;
 
-pub use client::{AgentSessionClient, SessionError};
+pub use client::{new_session_id, AgentSessionClient, SessionError};
 pub use events::BACKGROUND_HEARTBEAT;
 pub use flow::{
     AgentComponents, AgentConfigError, AgentSessionFlow, AgentSessionOptions,
