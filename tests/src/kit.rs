@@ -166,10 +166,18 @@ impl AgentTestStack {
 
     /// Writes `dexa.toml` (every component granted `gates/` at `/gates`).
     pub fn with_settings(agents: Vec<KitAgent>, settings: KitSettings) -> Self {
+        Self::with_config(|_| render_config(&agents, &settings))
+    }
+
+    /// A stack whose `dexa.toml` is `render(stack_dir)`: for tests that need
+    /// components, grants or limits the scripted agents do not cover. The
+    /// directory already holds `gates/`; relative paths in the file resolve
+    /// against it.
+    pub fn with_config(render: impl FnOnce(&Path) -> String) -> Self {
         let dir = tempfile::tempdir().unwrap_or_else(|err| panic!("temp dir: {err}"));
         std::fs::create_dir_all(dir.path().join("gates"))
             .unwrap_or_else(|err| panic!("gates dir: {err}"));
-        let config = render_config(&agents, &settings);
+        let config = render(dir.path());
         let config_path = dir.path().join("dexa.toml");
         std::fs::write(&config_path, &config).unwrap_or_else(|err| panic!("write config: {err}"));
         let parsed = DexaConfig::load(&config_path)
@@ -187,6 +195,13 @@ impl AgentTestStack {
 
     /// Starts a `dexa worker` process with `args` added; returns its index.
     pub fn start_worker_with(&mut self, args: &[&str]) -> usize {
+        self.start_worker_with_env(args, &[])
+    }
+
+    /// Starts a `dexa worker` process with `args` added and `env` set in its
+    /// environment (for components granted environment variables, or for
+    /// variables a test checks a guest cannot see).
+    pub fn start_worker_with_env(&mut self, args: &[&str], env: &[(&str, &str)]) -> usize {
         self.started += 1;
         let name = format!("worker-{}", self.started);
         let log = self.dir.path().join(format!("{name}.log"));
@@ -203,6 +218,7 @@ impl AgentTestStack {
             .arg(&name)
             .args(args)
             .env("RUST_LOG", "warn")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(err)

@@ -52,6 +52,8 @@ impl Deployment {
         let store = open_store(&config)?;
         let engine = SandboxEngine::new(SandboxConfig {
             cache_dir: Some(config.cache_dir.clone()),
+            // Metering slows every guest, so it is on only when asked for.
+            consume_fuel: config.components.values().any(|c| c.limits.fuel.is_some()),
             ..SandboxConfig::default()
         })?;
         let used: Vec<&ComponentConfig> = config
@@ -221,11 +223,14 @@ fn settings(config: &DexaConfig, component: &ComponentConfig) -> anyhow::Result<
         })?;
         grants = grants.env(name.clone(), value);
     }
+    grants.http = component.http.clone();
+    grants.tcp_connect = component.tcp_connect.clone();
     grants
         .validate()
         .map_err(|err| config.error(format!("component {:?}: {err}", component.name)))?;
     Ok(ComponentSettings::named(component.name.clone())
         .with_grants(grants)
+        .with_limits(component.limits.clone())
         .with_config(component.config.clone()))
 }
 

@@ -16,6 +16,9 @@
 //! dirs = [{ host = ".dexa/ledger", guest = "/ledger", access = "read_write" }]
 //! env = ["LEDGER_CURRENCY"]
 //! config = { currency = "EUR" }
+//! http = ["api.example.com:443"]          # outbound wasi:http allow-list
+//! tcp_connect = ["127.0.0.1:5432"]        # raw TCP; none by default
+//! limits = { memory = "64MiB", fuel = 5_000_000_000, max_concurrent_calls = 8 }
 //!
 //! [models.replay]
 //! provider = "scripted"
@@ -41,7 +44,7 @@ use serde::Deserialize;
 use toml::Spanned;
 
 use crate::flow::WorkerOptions;
-use crate::plugin::{DirAccess, DirGrant};
+use crate::plugin::{ComponentLimits, DirAccess, DirGrant, HttpAuthority};
 use crate::session::{AgentSessionOptions, ToolEffect, ToolPolicy};
 
 pub use deploy::Deployment;
@@ -117,6 +120,11 @@ pub struct ComponentConfig {
     /// Names of host environment variables the component may read.
     pub env: Vec<String>,
     pub config: BTreeMap<String, String>,
+    /// Where outbound wasi:http requests may go.
+    pub http: Vec<HttpAuthority>,
+    /// Addresses raw TCP sockets may connect to.
+    pub tcp_connect: Vec<std::net::SocketAddr>,
+    pub limits: ComponentLimits,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -182,6 +190,64 @@ struct RawComponent {
     env: Vec<Spanned<String>>,
     #[serde(default)]
     config: BTreeMap<String, String>,
+    #[serde(default)]
+    http: Vec<Spanned<String>>,
+    #[serde(default)]
+    tcp_connect: Vec<Spanned<String>>,
+    #[serde(default)]
+    limits: RawLimits,
+}
+
+/// `[components.NAME.limits]`; sizes are bytes or strings like "64MiB".
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawLimits {
+    memory: Option<Spanned<ByteSize>>,
+    table_elements: Option<Spanned<u64>>,
+    instances: Option<Spanned<u64>>,
+    fuel: Option<Spanned<u64>>,
+    max_concurrent_calls: Option<Spanned<u64>>,
+    output: Option<Spanned<ByteSize>>,
+    run_state: Option<Spanned<ByteSize>>,
+    events_per_call: Option<Spanned<ByteSize>>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum ByteSize {
+    Bytes(u64),
+    Text(String),
+}
+
+impl ByteSize {
+    fn bytes(&self) -> Result<u64, String> {
+        let text = match self {
+            ByteSize::Bytes(n) => return Ok(*n),
+            ByteSize::Text(text) => text.trim(),
+        };
+        let split = text
+            .find(|c: char| !c.is_ascii_digit() && c != '_')
+            .unwrap_or(text.len());
+        let (number, unit) = text.split_at(split);
+        let number: u64 = number
+            .replace('_', "")
+            .parse()
+            .map_err(|_| format!("{text:?} is not a size like 65536 or \"64MiB\""))?;
+        let scale: u64 = match unit.trim() {
+            "" | "B" => 1,
+            "KiB" => 1 << 10,
+            "MiB" => 1 << 20,
+            "GiB" => 1 << 30,
+            other => {
+                return Err(format!(
+                    "{text:?}: unknown unit {other:?}; use B, KiB, MiB or GiB"
+                ))
+            }
+        };
+        number
+            .checked_mul(scale)
+            .ok_or_else(|| format!("{text:?} is too large"))
+    }
 }
 
 #[derive(Deserialize)]
@@ -228,6 +294,7 @@ struct RawAgent {
     interrupt_deadline: Option<Spanned<String>>,
     events_capacity: Option<Spanned<u64>>,
     tool_attempt_timeout: Option<Spanned<String>>,
+    model_step_timeout: Option<Spanned<String>>,
 }
 
 // ---- parsing ------------------------------------------------------------------
@@ -369,6 +436,26 @@ impl DexaConfig {
                     ));
                 }
             }
+            let mut http = Vec::new();
+            for authority in &raw_component.http {
+                http.push(
+                    HttpAuthority::parse(authority.get_ref())
+                        .map_err(|m| loc.at(authority.span(), m))?,
+                );
+            }
+            let mut tcp_connect = Vec::new();
+            for addr in &raw_component.tcp_connect {
+                tcp_connect.push(addr.get_ref().parse().map_err(|_| {
+                    loc.at(
+                        addr.span(),
+                        format!(
+                            "tcp_connect {:?} must be an IP address and port, like \"127.0.0.1:5432\"",
+                            addr.get_ref()
+                        ),
+                    )
+                })?);
+            }
+            let limits = loc.limits(&raw_component.limits)?;
             components.insert(
                 name.clone(),
                 ComponentConfig {
@@ -387,6 +474,9 @@ impl DexaConfig {
                         .map(|v| v.get_ref().clone())
                         .collect(),
                     config: raw_component.config.clone(),
+                    http,
+                    tcp_connect,
+                    limits,
                 },
             );
         }
@@ -476,10 +566,16 @@ impl DexaConfig {
                 }
                 options.events_capacity = *capacity.get_ref();
             }
-            if let Some(timeout) = &raw_agent.tool_attempt_timeout {
-                let timeout = loc.duration(timeout, "tool_attempt_timeout")?;
-                options.tool_attempt_timeout = timeout;
-            }
+            options.tool_attempt_timeout = loc.positive(
+                &raw_agent.tool_attempt_timeout,
+                "tool_attempt_timeout",
+                options.tool_attempt_timeout,
+            )?;
+            options.model_step_timeout = loc.positive(
+                &raw_agent.model_step_timeout,
+                "model_step_timeout",
+                options.model_step_timeout,
+            )?;
             agents.insert(
                 name.clone(),
                 AgentConfig {
@@ -545,6 +641,53 @@ impl Locator<'_> {
                 ),
             )
         })
+    }
+
+    /// A component's limits: each given one checked, the rest defaulted.
+    fn limits(&self, raw: &RawLimits) -> Result<ComponentLimits, ConfigError> {
+        let mut limits = ComponentLimits::default();
+        let size = |value: &Spanned<ByteSize>, what: &str| -> Result<u64, ConfigError> {
+            let bytes = value
+                .get_ref()
+                .bytes()
+                .map_err(|m| self.at(value.span(), format!("limits.{what}: {m}")))?;
+            if bytes == 0 {
+                return Err(self.at(value.span(), format!("limits.{what} must be above 0")));
+            }
+            Ok(bytes)
+        };
+        let count = |value: &Spanned<u64>, what: &str| -> Result<u64, ConfigError> {
+            match *value.get_ref() {
+                0 => Err(self.at(value.span(), format!("limits.{what} must be at least 1"))),
+                n => Ok(n),
+            }
+        };
+        let usize_of = |n: u64| usize::try_from(n).unwrap_or(usize::MAX);
+        if let Some(v) = &raw.memory {
+            limits.memory_bytes = usize_of(size(v, "memory")?);
+        }
+        if let Some(v) = &raw.table_elements {
+            limits.table_elements = usize_of(count(v, "table_elements")?);
+        }
+        if let Some(v) = &raw.instances {
+            limits.instances = usize_of(count(v, "instances")?);
+        }
+        if let Some(v) = &raw.fuel {
+            limits.fuel = Some(count(v, "fuel")?);
+        }
+        if let Some(v) = &raw.max_concurrent_calls {
+            limits.max_concurrent_calls = usize_of(count(v, "max_concurrent_calls")?);
+        }
+        if let Some(v) = &raw.output {
+            limits.output_bytes = usize_of(size(v, "output")?);
+        }
+        if let Some(v) = &raw.run_state {
+            limits.run_state_bytes = usize_of(size(v, "run_state")?);
+        }
+        if let Some(v) = &raw.events_per_call {
+            limits.event_bytes_per_call = size(v, "events_per_call")?;
+        }
+        Ok(limits)
     }
 
     /// A duration longer than zero, or `default` when absent.
@@ -743,6 +886,49 @@ tool_policies = { pay = { effect = "non_idempotent_write", requires_approval = f
     }
 
     #[test]
+    fn grants_and_limits_parse_with_units_and_defaults() {
+        let text = r#"
+[components.t]
+path = "t.wasm"
+http = ["API.example.com:443", "[::1]:8080"]
+tcp_connect = ["127.0.0.1:5432"]
+limits = { memory = "64MiB", fuel = 1_000, max_concurrent_calls = 2, output = 4096, run_state = "2KiB" }
+"#;
+        let config = parse(text).unwrap_or_else(|err| panic!("{err}"));
+        let tool = &config.components["t"];
+        assert_eq!(
+            tool.http,
+            vec![
+                HttpAuthority::parse("api.example.com:443").unwrap_or_else(|e| panic!("{e}")),
+                HttpAuthority::parse("[::1]:8080").unwrap_or_else(|e| panic!("{e}")),
+            ]
+        );
+        assert!(tool.http[0].allows("api.EXAMPLE.com", 443));
+        assert!(!tool.http[0].allows("api.example.com", 80));
+        assert!(tool.http[1].allows("[::1]", 8080));
+        assert_eq!(
+            tool.tcp_connect,
+            vec!["127.0.0.1:5432".parse().unwrap_or_else(|e| panic!("{e}"))]
+        );
+        let defaults = ComponentLimits::default();
+        assert_eq!(
+            tool.limits,
+            ComponentLimits {
+                memory_bytes: 64 << 20,
+                fuel: Some(1000),
+                max_concurrent_calls: 2,
+                output_bytes: 4096,
+                run_state_bytes: 2048,
+                ..defaults.clone()
+            }
+        );
+        let bare =
+            parse("[components.b]\npath = \"b.wasm\"\n").unwrap_or_else(|err| panic!("{err}"));
+        assert_eq!(bare.components["b"].limits, defaults);
+        assert!(bare.components["b"].http.is_empty());
+    }
+
+    #[test]
     fn an_empty_config_has_defaults() {
         let config = parse("").unwrap_or_else(|err| panic!("{err}"));
         assert_eq!(
@@ -777,6 +963,16 @@ tool_policies = { pay = { effect = "non_idempotent_write", requires_approval = f
             ("[components.r]\npath = \"r.wasm\"\n[agents.A]\nrunner = \"r\"\ndefault_effect = \"maybe\"\n", 5, "unknown variant `maybe`"),
             ("[components.r]\npath = \"r.wasm\"\n[agents.A]\nrunner = \"r\"\nevents_capacity = 0\n", 5, "at least 1 byte"),
             ("[agents.A\n", 1, ""),
+            ("[components.a]\npath = \"a.wasm\"\nhttp = [\"example.com\"]\n", 3, "must be host:port"),
+            ("[components.a]\npath = \"a.wasm\"\nhttp = [\"example.com:0\"]\n", 3, "invalid port"),
+            ("[components.a]\npath = \"a.wasm\"\nhttp = [\"*.example.com:443\"]\n", 3, "invalid host"),
+            ("[components.a]\npath = \"a.wasm\"\ntcp_connect = [\"db.local:5432\"]\n", 3, "must be an IP address and port"),
+            ("[components.a]\npath = \"a.wasm\"\nlimits = { memory = \"64XB\" }\n", 3, "unknown unit \"XB\""),
+            ("[components.a]\npath = \"a.wasm\"\nlimits = { memory = \"lots\" }\n", 3, "is not a size"),
+            ("[components.a]\npath = \"a.wasm\"\nlimits = { fuel = 0 }\n", 3, "limits.fuel must be at least 1"),
+            ("[components.a]\npath = \"a.wasm\"\nlimits = { output = 0 }\n", 3, "limits.output must be above 0"),
+            ("[components.a]\npath = \"a.wasm\"\nlimits = { cpu = 5 }\n", 3, "unknown field `cpu`"),
+            ("[components.r]\npath = \"r.wasm\"\n[agents.A]\nrunner = \"r\"\nmodel_step_timeout = \"0s\"\n", 5, "model_step_timeout must be longer than 0"),
         ];
         for (text, line, needle) in cases {
             let err = match parse(text) {

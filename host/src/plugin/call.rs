@@ -5,28 +5,43 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use wasmtime::{ResourceLimiter, Store, Trap, UpdateDeadline};
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::{ResourceTable, WasiCtx, WasiCtxView, WasiView};
 
+use super::boundary::BoundaryBytes;
 use super::component::ComponentSettings;
 use super::engine::SandboxEngine;
 use super::error::CallError;
 use super::factors::config::ComponentConfig;
 use super::factors::events::{EventSink, EventWriter, NoEvents};
+use super::factors::http::{DeniedRequests, HttpState};
 use super::factors::model::{ModelProvider, ModelState};
 use super::factors::policy::{SharedPolicyResolver, ToolPolicies, ToolPolicyResolver};
 use super::factors::step::{HeartbeatSink, NoHeartbeats, StepState, StepTag};
 
-/// Per-component resource limits. Each has a default.
+/// Per-component resource limits. Each has a default. CPU time is bounded by
+/// the deadline of the Step a call serves (see [`CallEnv::timeout`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ComponentLimits {
-    /// Largest linear memory, in bytes (capped by the engine's pool).
+    /// Largest linear memory, in bytes (at most the engine's pool slot).
     pub memory_bytes: usize,
     /// Largest table, in elements.
     pub table_elements: usize,
-    /// Core and component instances one call may create.
+    /// Core instances, memories and tables one call may create.
     pub instances: usize,
+    /// Wasm instructions (roughly) one call may execute; none is unmetered.
+    /// Needs an engine built with [`super::SandboxConfig::consume_fuel`].
+    pub fuel: Option<u64>,
+    /// Calls of this component that may run at once; more wait their turn
+    /// within their own deadline.
+    pub max_concurrent_calls: usize,
+    /// Bytes of strings one call may return (a tool's output or error, a
+    /// runner's messages and tool-call arguments).
+    pub output_bytes: usize,
+    /// Bytes of framework run state a runner may hand back.
+    pub run_state_bytes: usize,
     /// Bytes of events one call may write; more fails the call.
     pub event_bytes_per_call: u64,
     /// Bytes of the guest's stderr kept for error messages.
@@ -39,9 +54,35 @@ impl Default for ComponentLimits {
             memory_bytes: 128 << 20,
             table_elements: 100_000,
             instances: 64,
+            fuel: None,
+            max_concurrent_calls: 32,
+            output_bytes: 1 << 20,
+            run_state_bytes: 1 << 20,
             event_bytes_per_call: 4 << 20,
             stderr_bytes: 16 << 10,
         }
+    }
+}
+
+impl ComponentLimits {
+    /// Checks the limits against the engine they will run on.
+    pub fn validate(&self, engine: &SandboxEngine) -> Result<(), String> {
+        let config = engine.config();
+        if self.memory_bytes > config.max_memory_bytes {
+            return Err(format!(
+                "memory limit of {} bytes is above the engine's largest memory of {} bytes",
+                self.memory_bytes, config.max_memory_bytes
+            ));
+        }
+        if self.max_concurrent_calls == 0 {
+            return Err("max_concurrent_calls must be at least 1".to_string());
+        }
+        if self.fuel.is_some() && !config.consume_fuel {
+            return Err(
+                "a fuel limit needs an engine with fuel metering on (consume_fuel)".to_string(),
+            );
+        }
+        Ok(())
     }
 }
 
@@ -102,9 +143,9 @@ impl CallEnv {
 
 /// Enforces [`ComponentLimits`] and remembers which limit stopped the guest,
 /// so the error can say so.
-struct CallLimiter {
+pub(crate) struct CallLimiter {
     limits: ComponentLimits,
-    exceeded: Option<String>,
+    pub(crate) exceeded: Option<String>,
 }
 
 impl ResourceLimiter for CallLimiter {
@@ -160,12 +201,25 @@ pub struct CallState {
     pub(crate) component: Arc<str>,
     wasi: WasiCtx,
     table: ResourceTable,
-    limiter: CallLimiter,
+    pub(crate) limiter: CallLimiter,
+    http: HttpState,
     pub(crate) step: StepState,
     pub(crate) events: EventWriter,
     pub(crate) policy: SharedPolicyResolver,
     pub(crate) model: ModelState,
     pub(crate) config: ComponentConfig,
+}
+
+impl CallState {
+    /// Records that the guest hit a limit; the call's error then names it.
+    pub(crate) fn note_limit(&mut self, reason: String) {
+        self.limiter.exceeded.get_or_insert(reason);
+    }
+
+    /// The resource table and the wasi:http state, borrowed together.
+    pub(crate) fn table_and_http(&mut self) -> (&mut ResourceTable, &mut HttpState) {
+        (&mut self.table, &mut self.http)
+    }
 }
 
 impl WasiView for CallState {
@@ -182,9 +236,16 @@ pub(crate) struct Call {
     pub store: Store<CallState>,
     pub export: &'static str,
     pub timeout: Duration,
+    /// When the call must be over, counted from before it waited for a slot.
+    pub deadline: Instant,
     component: Arc<str>,
     stderr: MemoryOutputPipe,
     events: EventWriter,
+    denied_http: DeniedRequests,
+    output_bytes: usize,
+    fuel: Option<u64>,
+    /// The component's concurrency slot, released when the call ends.
+    _slot: OwnedSemaphorePermit,
 }
 
 /// The host-side backstop for a call that waits on the host (for example on
@@ -201,13 +262,32 @@ impl std::fmt::Display for HostDeadlineElapsed {
 impl std::error::Error for HostDeadlineElapsed {}
 
 impl Call {
-    pub fn begin(
+    pub async fn begin(
         engine: &SandboxEngine,
         settings: &ComponentSettings,
+        slots: &Arc<Semaphore>,
         env: CallEnv,
         export: &'static str,
         model_allowed: bool,
     ) -> Result<Self, CallError> {
+        let deadline = Instant::now() + env.timeout;
+        let slot = match tokio::time::timeout(env.timeout, slots.clone().acquire_owned()).await {
+            Ok(Ok(permit)) => permit,
+            Ok(Err(_closed)) => {
+                return Err(CallError::Instantiate {
+                    component: settings.name.clone(),
+                    reason: "the component is shutting down".to_string(),
+                })
+            }
+            Err(_elapsed) => return Err(CallError::LimitExceeded {
+                component: settings.name.clone(),
+                export,
+                reason: format!(
+                    "no free instance within {:?}: {} calls of this component were already running",
+                    env.timeout, settings.limits.max_concurrent_calls
+                ),
+            }),
+        };
         let component: Arc<str> = Arc::from(settings.name.as_str());
         let stderr = MemoryOutputPipe::new(settings.limits.stderr_bytes);
         let wasi =
@@ -223,6 +303,8 @@ impl Call {
             env.events,
             settings.limits.event_bytes_per_call,
         );
+        let http = HttpState::new(settings.grants.http.clone().into(), component.clone());
+        let denied_http = http.denied();
         let state = CallState {
             component: component.clone(),
             wasi,
@@ -231,6 +313,7 @@ impl Call {
                 limits: settings.limits.clone(),
                 exceeded: None,
             },
+            http,
             step: StepState {
                 tag: env.tag,
                 sink: env.heartbeats,
@@ -246,7 +329,14 @@ impl Call {
         };
         let mut store = Store::new(engine.engine(), state);
         store.limiter(|state| &mut state.limiter);
-        let deadline = Instant::now() + env.timeout;
+        if engine.config().consume_fuel {
+            store
+                .set_fuel(settings.limits.fuel.unwrap_or(u64::MAX))
+                .map_err(|err| CallError::Instantiate {
+                    component: settings.name.clone(),
+                    reason: format!("cannot set fuel: {err:#}"),
+                })?;
+        }
         store.set_epoch_deadline(1);
         // Every tick, yield to the executor so a busy guest cannot starve other
         // calls on the thread; past the deadline, interrupt it.
@@ -261,18 +351,42 @@ impl Call {
             store,
             export,
             timeout: env.timeout,
+            deadline,
             component,
             stderr,
             events,
+            denied_http,
+            output_bytes: settings.limits.output_bytes,
+            fuel: settings.limits.fuel,
+            _slot: slot,
         })
+    }
+
+    /// Fails the call when it returned more than the output cap.
+    pub fn check_output<R: BoundaryBytes>(&self, value: &R) -> Result<(), CallError> {
+        let bytes = value.boundary_bytes();
+        if bytes > self.output_bytes {
+            return Err(CallError::LimitExceeded {
+                component: self.component.to_string(),
+                export: self.export,
+                reason: format!(
+                    "it returned {bytes} bytes, over the output limit of {} bytes",
+                    self.output_bytes
+                ),
+            });
+        }
+        Ok(())
     }
 
     /// Ends the call: later event writes are dropped, and a failure becomes a
     /// typed error that says what happened.
-    pub fn finish<R>(self, result: wasmtime::Result<R>) -> Result<R, CallError> {
+    pub fn finish<R: BoundaryBytes>(self, result: wasmtime::Result<R>) -> Result<R, CallError> {
         self.events.close();
         let err = match result {
-            Ok(value) => return Ok(value),
+            Ok(value) => {
+                self.check_output(&value)?;
+                return Ok(value);
+            }
             Err(err) => err,
         };
         let component = self.component.to_string();
@@ -293,11 +407,25 @@ impl Call {
                 reason,
             });
         }
+        if matches!(err.downcast_ref::<Trap>(), Some(Trap::OutOfFuel)) {
+            return Err(CallError::LimitExceeded {
+                component,
+                export,
+                reason: format!(
+                    "it ran out of fuel ({} units)",
+                    self.fuel.unwrap_or(u64::MAX)
+                ),
+            });
+        }
         let guest_stderr = String::from_utf8_lossy(&self.stderr.contents()).into_owned();
-        let reason = match err.downcast_ref::<Trap>() {
+        let mut reason = match err.downcast_ref::<Trap>() {
             Some(trap) => trap.to_string(),
             None => format!("{err:#}"),
         };
+        let denied = self.denied_http.describe();
+        if !denied.is_empty() {
+            reason.push_str(&format!(" (outbound HTTP refused, not granted: {denied})"));
+        }
         tracing::debug!(component = %component, export, error = ?err, "guest call failed");
         Err(CallError::Trapped {
             component,
@@ -308,15 +436,16 @@ impl Call {
     }
 }
 
-/// Runs `work` with the call's timeout as a host-side backstop.
+/// Runs `work` with the call's deadline as a host-side backstop.
 pub(crate) async fn with_deadline<R>(
-    timeout: Duration,
+    deadline: Instant,
     work: impl Future<Output = wasmtime::Result<R>>,
 ) -> wasmtime::Result<R> {
     // The epoch interrupts the guest at the deadline; the grace covers a
     // host import that is itself waiting.
     let grace = Duration::from_millis(250);
-    match tokio::time::timeout(timeout + grace, work).await {
+    let at = tokio::time::Instant::from_std(deadline + grace);
+    match tokio::time::timeout_at(at, work).await {
         Ok(result) => result,
         Err(_) => Err(wasmtime::Error::new(HostDeadlineElapsed)),
     }

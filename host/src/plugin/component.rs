@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 
+use tokio::sync::Semaphore;
 use wasmtime::component::{Component, HasSelf, Linker};
 
 use super::bindings::runner::{Runner, RunnerPre};
@@ -12,6 +13,7 @@ use super::bindings::tool::{Tool, ToolPre};
 use super::bindings::wit::{
     DeferredToolExecution, FrameworkMessage, ToolError, ToolSpec, TurnContext, TurnOutcome,
 };
+use super::boundary::run_state_bytes;
 use super::cache::{compile, sha256_hex, CacheOutcome};
 use super::call::{with_deadline, Call, CallEnv, CallState, ComponentLimits};
 use super::engine::SandboxEngine;
@@ -19,6 +21,7 @@ use super::error::{CallError, LoadError};
 use super::factors::config::ComponentConfig;
 use super::factors::step::StepTag;
 use super::grants::Grants;
+use super::guest_pool;
 
 /// How the operator set up one component.
 #[derive(Clone, Debug, Default)]
@@ -113,6 +116,13 @@ impl SandboxEngine {
                 name: name.clone(),
                 reason,
             })?;
+        settings
+            .limits
+            .validate(self)
+            .map_err(|reason| LoadError::Limits {
+                name: name.clone(),
+                reason,
+            })?;
         let sha256 = sha256_hex(wasm);
         let (component, cache) = match self.cache() {
             Some(cache) => cache.load_or_compile(self.engine(), &name, &sha256, wasm),
@@ -178,6 +188,8 @@ impl SandboxEngine {
     fn linker(&self, world: World) -> wasmtime::Result<Linker<CallState>> {
         let mut linker = Linker::new(self.engine());
         wasmtime_wasi::p2::add_to_linker_async(&mut linker)?;
+        // Linked for every component; only granted authorities are reachable.
+        wasmtime_wasi_http::p2::add_only_http_to_linker_async(&mut linker)?;
         match world {
             World::Runner => Runner::add_to_linker::<_, HasSelf<_>>(&mut linker, |s| s)?,
             World::Tool => Tool::add_to_linker::<_, HasSelf<_>>(&mut linker, |s| s)?,
@@ -208,10 +220,8 @@ impl SandboxEngine {
             .map_err(|err| Self::link_error(world, name, err))?;
         let pre = RunnerPre::new(instance_pre).map_err(|err| Self::link_error(world, name, err))?;
         Ok(RunnerComponent {
-            engine: self.clone(),
-            settings: Arc::new(settings),
+            callable: Callable::new(self, settings, pre),
             info: compiled.info,
-            pre,
         })
     }
 
@@ -230,10 +240,8 @@ impl SandboxEngine {
             .map_err(|err| Self::link_error(world, &name, err))?;
         let pre = ToolPre::new(instance_pre).map_err(|err| Self::link_error(world, &name, err))?;
         let mut tool = ToolComponent {
-            engine: self.clone(),
-            settings: Arc::new(settings),
+            callable: Callable::new(self, settings, pre),
             info: compiled.info,
-            pre,
             tools: Vec::new(),
         };
         let env = CallEnv::new(StepTag {
@@ -281,37 +289,92 @@ fn read_component(path: &Path) -> Result<Vec<u8>, LoadError> {
     })
 }
 
-/// A loaded runner. Each call runs in a new instance.
-pub struct RunnerComponent {
+/// What one call needs, owned, so that it can run on the guest pool.
+struct Callable<P> {
     engine: SandboxEngine,
     settings: Arc<ComponentSettings>,
-    info: ComponentInfo,
-    pre: RunnerPre<CallState>,
+    /// At most `max_concurrent_calls` calls at once.
+    slots: Arc<Semaphore>,
+    pre: P,
 }
 
-impl RunnerComponent {
-    pub fn info(&self) -> &ComponentInfo {
-        &self.info
+impl<P: Clone> Clone for Callable<P> {
+    fn clone(&self) -> Self {
+        Self {
+            engine: self.engine.clone(),
+            settings: self.settings.clone(),
+            slots: self.slots.clone(),
+            pre: self.pre.clone(),
+        }
+    }
+}
+
+impl<P> Callable<P> {
+    fn new(engine: &SandboxEngine, settings: ComponentSettings, pre: P) -> Self {
+        Self {
+            engine: engine.clone(),
+            slots: Arc::new(Semaphore::new(settings.limits.max_concurrent_calls)),
+            settings: Arc::new(settings),
+            pre,
+        }
     }
 
-    fn begin(
+    fn name(&self) -> &str {
+        &self.settings.name
+    }
+
+    async fn begin(
         &self,
         env: CallEnv,
         export: &'static str,
         model_allowed: bool,
     ) -> Result<Call, CallError> {
-        Call::begin(&self.engine, &self.settings, env, export, model_allowed)
+        Call::begin(
+            &self.engine,
+            &self.settings,
+            &self.slots,
+            env,
+            export,
+            model_allowed,
+        )
+        .await
     }
 
+    fn instantiate_error(&self, err: wasmtime::Error) -> CallError {
+        CallError::Instantiate {
+            component: self.settings.name.clone(),
+            reason: format!("{err:#}"),
+        }
+    }
+}
+
+impl Callable<RunnerPre<CallState>> {
     async fn instantiate(&self, call: &mut Call) -> Result<Runner, CallError> {
-        let component = &self.settings.name;
         self.pre
             .instantiate_async(&mut call.store)
             .await
-            .map_err(|err| CallError::Instantiate {
-                component: component.clone(),
-                reason: format!("{err:#}"),
-            })
+            .map_err(|err| self.instantiate_error(err))
+    }
+}
+
+impl Callable<ToolPre<CallState>> {
+    async fn instantiate(&self, call: &mut Call) -> Result<Tool, CallError> {
+        self.pre
+            .instantiate_async(&mut call.store)
+            .await
+            .map_err(|err| self.instantiate_error(err))
+    }
+}
+
+/// A loaded runner. Each call runs in a new instance, on the guest pool.
+pub struct RunnerComponent {
+    callable: Callable<RunnerPre<CallState>>,
+    info: ComponentInfo,
+}
+
+impl RunnerComponent {
+    pub fn info(&self) -> &ComponentInfo {
+        &self.info
     }
 
     /// `build-user-message`.
@@ -320,14 +383,19 @@ impl RunnerComponent {
         env: CallEnv,
         text: &str,
     ) -> Result<FrameworkMessage, CallError> {
-        let mut call = self.begin(env, "build-user-message", false)?;
-        let runner = self.instantiate(&mut call).await?;
-        let result = with_deadline(
-            call.timeout,
-            runner.call_build_user_message(&mut call.store, text),
-        )
-        .await;
-        call.finish(result)
+        let this = self.callable.clone();
+        let text = text.to_string();
+        guest_pool::run(self.callable.name(), async move {
+            let mut call = this.begin(env, "build-user-message", false).await?;
+            let runner = this.instantiate(&mut call).await?;
+            let result = with_deadline(
+                call.deadline,
+                runner.call_build_user_message(&mut call.store, &text),
+            )
+            .await;
+            call.finish(result)
+        })
+        .await
     }
 
     /// `run-model-step`. The only export that may call the model.
@@ -336,14 +404,31 @@ impl RunnerComponent {
         env: CallEnv,
         turn: &TurnContext,
     ) -> Result<Result<TurnOutcome, String>, CallError> {
-        let mut call = self.begin(env, "run-model-step", true)?;
-        let runner = self.instantiate(&mut call).await?;
-        let result = with_deadline(
-            call.timeout,
-            runner.call_run_model_step(&mut call.store, turn),
-        )
-        .await;
-        call.finish(result)
+        let this = self.callable.clone();
+        let turn = turn.clone();
+        guest_pool::run(self.callable.name(), async move {
+            let mut call = this.begin(env, "run-model-step", true).await?;
+            let runner = this.instantiate(&mut call).await?;
+            let result = with_deadline(
+                call.deadline,
+                runner.call_run_model_step(&mut call.store, &turn),
+            )
+            .await;
+            let outcome = call.finish(result)?;
+            let bytes = run_state_bytes(&outcome);
+            let limit = this.settings.limits.run_state_bytes;
+            if bytes > limit {
+                return Err(CallError::LimitExceeded {
+                    component: this.settings.name.clone(),
+                    export: "run-model-step",
+                    reason: format!(
+                        "its framework run state is {bytes} bytes, over the limit of {limit} bytes"
+                    ),
+                });
+            }
+            Ok(outcome)
+        })
+        .await
     }
 
     /// `execute-deferred-tool-call`.
@@ -352,24 +437,27 @@ impl RunnerComponent {
         env: CallEnv,
         execution: &DeferredToolExecution,
     ) -> Result<Result<String, ToolError>, CallError> {
-        let mut call = self.begin(env, "execute-deferred-tool-call", false)?;
-        let runner = self.instantiate(&mut call).await?;
-        let result = with_deadline(
-            call.timeout,
-            runner.call_execute_deferred_tool_call(&mut call.store, execution),
-        )
-        .await;
-        call.finish(result)
+        let this = self.callable.clone();
+        let execution = execution.clone();
+        guest_pool::run(self.callable.name(), async move {
+            let mut call = this.begin(env, "execute-deferred-tool-call", false).await?;
+            let runner = this.instantiate(&mut call).await?;
+            let result = with_deadline(
+                call.deadline,
+                runner.call_execute_deferred_tool_call(&mut call.store, &execution),
+            )
+            .await;
+            call.finish(result)
+        })
+        .await
     }
 }
 
 /// A loaded tool component and the tools it serves. Each call runs in a new
-/// instance.
+/// instance, on the guest pool.
 pub struct ToolComponent {
-    engine: SandboxEngine,
-    settings: Arc<ComponentSettings>,
+    callable: Callable<ToolPre<CallState>>,
     info: ComponentInfo,
-    pre: ToolPre<CallState>,
     tools: Vec<ToolSpec>,
 }
 
@@ -388,23 +476,16 @@ impl ToolComponent {
         self.tools.iter().any(|tool| tool.name == tool_name)
     }
 
-    async fn instantiate(&self, call: &mut Call) -> Result<Tool, CallError> {
-        let component = &self.settings.name;
-        self.pre
-            .instantiate_async(&mut call.store)
-            .await
-            .map_err(|err| CallError::Instantiate {
-                component: component.clone(),
-                reason: format!("{err:#}"),
-            })
-    }
-
     /// `list-tools`, in a fresh instance.
     pub async fn list_tools(&self, env: CallEnv) -> Result<Vec<ToolSpec>, CallError> {
-        let mut call = Call::begin(&self.engine, &self.settings, env, "list-tools", false)?;
-        let tool = self.instantiate(&mut call).await?;
-        let result = with_deadline(call.timeout, tool.call_list_tools(&mut call.store)).await;
-        call.finish(result)
+        let this = self.callable.clone();
+        guest_pool::run(self.callable.name(), async move {
+            let mut call = this.begin(env, "list-tools", false).await?;
+            let tool = this.instantiate(&mut call).await?;
+            let result = with_deadline(call.deadline, tool.call_list_tools(&mut call.store)).await;
+            call.finish(result)
+        })
+        .await
     }
 
     /// `call`, in a fresh instance.
@@ -413,9 +494,15 @@ impl ToolComponent {
         env: CallEnv,
         execution: &DeferredToolExecution,
     ) -> Result<Result<String, ToolError>, CallError> {
-        let mut call = Call::begin(&self.engine, &self.settings, env, "call", false)?;
-        let tool = self.instantiate(&mut call).await?;
-        let result = with_deadline(call.timeout, tool.call_call(&mut call.store, execution)).await;
-        call.finish(result)
+        let this = self.callable.clone();
+        let execution = execution.clone();
+        guest_pool::run(self.callable.name(), async move {
+            let mut call = this.begin(env, "call", false).await?;
+            let tool = this.instantiate(&mut call).await?;
+            let result =
+                with_deadline(call.deadline, tool.call_call(&mut call.store, &execution)).await;
+            call.finish(result)
+        })
+        .await
     }
 }

@@ -26,6 +26,9 @@ pub struct SandboxConfig {
     /// instead of being returned to the kernel; a trade of memset time
     /// against page faults on the next instance.
     pub memory_keep_resident: usize,
+    /// Meter every instruction with fuel, so that components may set a fuel
+    /// limit. Off by default: metering slows guest code down.
+    pub consume_fuel: bool,
 }
 
 impl Default for SandboxConfig {
@@ -34,7 +37,7 @@ impl Default for SandboxConfig {
             cache_dir: None,
             max_concurrent_instances: 256,
             max_memory_bytes: 256 << 20,
-            epoch_tick: Duration::from_millis(10),
+            epoch_tick: Duration::from_millis(1),
             // With PAGEMAP_SCAN only dirtied pages are reset; without it the
             // whole amount is memset on every reuse, so keep it small.
             memory_keep_resident: if PoolingAllocationConfig::is_pagemap_scan_available() {
@@ -42,6 +45,7 @@ impl Default for SandboxConfig {
             } else {
                 64 << 10
             },
+            consume_fuel: false,
         }
     }
 }
@@ -95,6 +99,7 @@ impl SandboxEngine {
         let mut wasm = Config::new();
         wasm.wasm_component_model(true)
             .epoch_interruption(true)
+            .consume_fuel(config.consume_fuel)
             .allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
         let engine = Engine::new(&wasm).map_err(anyhow::Error::from)?;
 

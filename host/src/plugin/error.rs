@@ -31,6 +31,8 @@ pub enum LoadError {
     },
     #[error("component `{name}`: grant is invalid: {reason}")]
     Grant { name: String, reason: String },
+    #[error("component `{name}`: limits are invalid: {reason}")]
+    Limits { name: String, reason: String },
     #[error("component `{name}`: `list-tools` failed at load: {source}")]
     ListTools {
         name: String,

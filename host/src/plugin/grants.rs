@@ -4,11 +4,17 @@
 //!
 //! Directory grants go through wasmtime-wasi's preopens, which resolve every
 //! path with cap-std inside the granted directory: neither `..` nor a symlink
-//! can leave it.
+//! can leave it. Outbound HTTP goes through wasi:http and is checked against
+//! an allow-list of `host:port` authorities (see [`super::factors::http`]).
+//! Raw TCP is off unless exact socket addresses are granted; UDP and DNS
+//! lookups are always off.
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
+use wasmtime_wasi::sockets::SocketAddrUse;
 use wasmtime_wasi::{FsPerms, WasiCtx, WasiCtxBuilder};
 
 /// Whether a granted directory may be changed.
@@ -33,6 +39,59 @@ pub struct Grants {
     pub dirs: Vec<DirGrant>,
     /// Environment variables, by explicit name and value.
     pub env: Vec<(String, String)>,
+    /// Where outbound wasi:http requests may go.
+    pub http: Vec<HttpAuthority>,
+    /// Addresses a raw TCP socket may connect to. Empty: no sockets at all.
+    pub tcp_connect: Vec<SocketAddr>,
+}
+
+/// One allowed wasi:http destination: a host name or IP literal and a port.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HttpAuthority {
+    /// Lowercase, without brackets for IPv6.
+    pub host: String,
+    pub port: u16,
+}
+
+impl HttpAuthority {
+    /// Parses `host:port`; the port is required so a grant is never wider
+    /// than it reads.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let (host, port) = text
+            .rsplit_once(':')
+            .ok_or_else(|| format!("HTTP grant {text:?} must be host:port"))?;
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        if host.is_empty() || host.contains(['/', '@', ' ', '*']) {
+            return Err(format!("HTTP grant {text:?} has an invalid host"));
+        }
+        let port = port
+            .parse::<u16>()
+            .ok()
+            .filter(|p| *p != 0)
+            .ok_or_else(|| format!("HTTP grant {text:?} has an invalid port"))?;
+        Ok(Self {
+            host: host.to_ascii_lowercase(),
+            port,
+        })
+    }
+
+    /// Whether a request to `host` on `port` is covered by this grant.
+    pub fn allows(&self, host: &str, port: u16) -> bool {
+        self.port == port
+            && self
+                .host
+                .eq_ignore_ascii_case(host.trim_start_matches('[').trim_end_matches(']'))
+    }
+}
+
+impl std::fmt::Display for HttpAuthority {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.host.contains(':') {
+            write!(f, "[{}]:{}", self.host, self.port)
+        } else {
+            write!(f, "{}:{}", self.host, self.port)
+        }
+    }
 }
 
 impl Grants {
@@ -59,6 +118,18 @@ impl Grants {
     /// Grants one environment variable.
     pub fn env(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
         self.env.push((name.into(), value.into()));
+        self
+    }
+
+    /// Allows outbound HTTP to `authority` (`host:port`).
+    pub fn http(mut self, authority: HttpAuthority) -> Self {
+        self.http.push(authority);
+        self
+    }
+
+    /// Allows a raw TCP connection to `addr`.
+    pub fn tcp_connect(mut self, addr: SocketAddr) -> Self {
+        self.tcp_connect.push(addr);
         self
     }
 
@@ -115,6 +186,22 @@ impl Grants {
         for (name, value) in &self.env {
             builder.env(name, value);
         }
+        // wasmtime-wasi's defaults already deny these; say so here, where a
+        // reader looks for what a guest may reach.
+        builder
+            .allow_udp(false)
+            .allow_ip_name_lookup(false)
+            .allow_tcp(!self.tcp_connect.is_empty());
+        let allowed: Arc<[SocketAddr]> = self.tcp_connect.clone().into();
+        builder.socket_addr_check(move |addr, usage| {
+            let permitted = match usage {
+                SocketAddrUse::TcpConnect => allowed.contains(&addr),
+                // The implicit bind a connect performs: any local port.
+                SocketAddrUse::TcpBind => addr.ip().is_unspecified() && addr.port() == 0,
+                _ => false,
+            };
+            Box::pin(async move { permitted })
+        });
         Ok(builder.build())
     }
 }

@@ -8,6 +8,7 @@
 //! - [`Grants`] and [`ComponentLimits`]: what a component may reach and use.
 
 pub mod bindings;
+mod boundary;
 pub mod cache;
 mod call;
 mod component;
@@ -15,6 +16,7 @@ pub mod engine;
 pub mod error;
 pub mod factors;
 pub mod grants;
+mod guest_pool;
 
 pub use bindings::wit;
 pub use cache::CacheOutcome;
@@ -28,4 +30,4 @@ pub use factors::policy::{
     describe_tool_call_outcome, ToolPolicies, ToolPolicyOverride, ToolPolicyResolver,
 };
 pub use factors::step::{HeartbeatSink, StepTag};
-pub use grants::{DirAccess, DirGrant, Grants};
+pub use grants::{DirAccess, DirGrant, Grants, HttpAuthority};

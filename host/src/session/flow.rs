@@ -27,6 +27,8 @@ pub struct AgentSessionOptions {
     pub interrupt_deadline: Option<Duration>,
     /// How long one tool call attempt may run.
     pub tool_attempt_timeout: Duration,
+    /// How long one RunModel attempt may run (the runner's CPU deadline too).
+    pub model_step_timeout: Duration,
 }
 
 impl Default for AgentSessionOptions {
@@ -37,6 +39,7 @@ impl Default for AgentSessionOptions {
             events_capacity: 10 << 20,
             interrupt_deadline: None,
             tool_attempt_timeout: Duration::from_secs(5 * 60),
+            model_step_timeout: RUN_MODEL_TIMEOUT,
         }
     }
 }
@@ -59,6 +62,11 @@ impl AgentSessionOptions {
 
     pub fn interrupt_deadline(mut self, deadline: Duration) -> Self {
         self.interrupt_deadline = Some(deadline);
+        self
+    }
+
+    pub fn model_step_timeout(mut self, timeout: Duration) -> Self {
+        self.model_step_timeout = timeout;
         self
     }
 
@@ -219,7 +227,9 @@ impl AgentSessionFlow {
                         RetryPolicy::default()
                             .attempts(3)
                             .window(RUN_MODEL_WINDOW)
-                            .attempt_timeout(RUN_MODEL_TIMEOUT + STEP_TIMEOUT_SLACK)
+                            .attempt_timeout(
+                                self.steps.options.model_step_timeout + STEP_TIMEOUT_SLACK,
+                            )
                             .heartbeat_timeout(RUN_MODEL_HEARTBEAT_TIMEOUT),
                     )
                     .failure_route(step::RECORD_TURN_FAILURE),

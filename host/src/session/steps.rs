@@ -12,7 +12,7 @@ use serde::Serialize;
 use serde_json::json;
 
 use super::events::{fits, session_event, BackgroundHeartbeat, StepEvents, StepHeartbeats};
-use super::flow::{AgentComponents, AgentSessionOptions, RUN_MODEL_TIMEOUT};
+use super::flow::{AgentComponents, AgentSessionOptions};
 use super::records::*;
 use crate::flow::{
     ChannelWait, Json, MapQuery, StateAnswer, StateQuery, StateWrite, StepCall, StepContext,
@@ -459,7 +459,8 @@ impl SessionSteps {
         let events = StepEvents::start(&ctx, self.options.events_capacity);
         let outcome = {
             let _beat = BackgroundHeartbeat::start(ctx.heartbeat_handle());
-            let mut env = self.env(&ctx, tag.clone(), &events, RUN_MODEL_TIMEOUT);
+            let timeout = self.options.model_step_timeout;
+            let mut env = self.env(&ctx, tag.clone(), &events, timeout);
             if let Some(model) = &components.model {
                 env = env.with_model(model.clone());
             }

@@ -173,9 +173,11 @@ impl CallState {
         match self.events.write(event) {
             Ok(()) | Err(EventRefusal::Closed) => Ok(()),
             // A flood of events fails the call instead of filling the stream.
-            Err(EventRefusal::OverBudget { limit }) => Err(wasmtime::format_err!(
-                "guest wrote more than {limit} bytes of events in one call"
-            )),
+            Err(EventRefusal::OverBudget { limit }) => {
+                let reason = format!("it wrote more than {limit} bytes of events in one call");
+                self.note_limit(reason.clone());
+                Err(wasmtime::format_err!(reason))
+            }
         }
     }
 }

@@ -4,6 +4,7 @@
 
 pub mod config;
 pub mod events;
+pub mod http;
 pub mod model;
 pub mod policy;
 pub mod step;

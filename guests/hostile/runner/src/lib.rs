@@ -1,0 +1,171 @@
+//! A runner component that attacks its sandbox and the session's rules; the
+//! last user message picks the attack (see guests/hostile/README.md).
+
+use std::hint::black_box;
+
+use dex::agents::events;
+use dex::agents::types::{
+    DeferredToolCall, MessageRole, ToolCallStatus, ToolCallsRequested, ToolEffect, ToolPolicy,
+    TurnCompleted, Usage,
+};
+
+wit_bindgen::generate!({ path: "../../../wit", world: "dex:agents/runner" });
+
+struct HostileRunner;
+
+fn usage() -> Usage {
+    Usage {
+        input_tokens: 0,
+        output_tokens: 0,
+        total_tokens: 0,
+    }
+}
+
+fn completed(text: String) -> Result<TurnOutcome, String> {
+    Ok(TurnOutcome::Completed(TurnCompleted {
+        new_messages: vec![FrameworkMessage {
+            role: MessageRole::Assistant,
+            framework_item: text.clone(),
+            text: Some(text),
+        }],
+        usage: usage(),
+    }))
+}
+
+fn deferred(id: &str, tool: &str) -> DeferredToolCall {
+    DeferredToolCall {
+        tool_call_id: id.to_string(),
+        tool_name: tool.to_string(),
+        arguments: "{}".to_string(),
+        policy: ToolPolicy {
+            effect: ToolEffect::Read,
+            requires_approval: false,
+        },
+    }
+}
+
+fn request(run_state: String, calls: Vec<DeferredToolCall>) -> Result<TurnOutcome, String> {
+    Ok(TurnOutcome::ToolCallsRequested(ToolCallsRequested {
+        framework_run_state: run_state,
+        tool_calls: calls,
+        usage: usage(),
+    }))
+}
+
+#[inline(never)]
+fn status_name(status: ToolCallStatus) -> &'static str {
+    match status {
+        ToolCallStatus::Pending => "Pending",
+        ToolCallStatus::Approved => "Approved",
+        ToolCallStatus::Succeeded => "Succeeded",
+        ToolCallStatus::Failed => "Failed",
+        ToolCallStatus::Rejected => "Rejected",
+        ToolCallStatus::OutcomeUnknown => "OutcomeUnknown",
+    }
+}
+
+fn recurse(depth: u64) -> u64 {
+    // Small frames: the wasm call stack runs out long before the shadow
+    // stack in linear memory does.
+    if depth == u64::MAX {
+        return 0;
+    }
+    black_box(recurse(depth + 1)) ^ depth
+}
+
+impl Guest for HostileRunner {
+    fn build_user_message(text: String) -> FrameworkMessage {
+        if text == "trap-build" {
+            panic!("hostile build-user-message traps on purpose");
+        }
+        FrameworkMessage {
+            role: MessageRole::User,
+            framework_item: text.clone(),
+            text: Some(text),
+        }
+    }
+
+    fn run_model_step(turn: TurnContext) -> Result<TurnOutcome, String> {
+        if !turn.tool_calls.is_empty() {
+            // Report each record so that a test can read what the host recorded.
+            let reports: Vec<String> = turn
+                .tool_calls
+                .iter()
+                .map(|c| {
+                    let shown = |text: &Option<String>| {
+                        text.as_deref()
+                            .map(|t| t.chars().take(300).collect::<String>())
+                    };
+                    format!(
+                        "{} {} output={:?} error={:?}",
+                        c.tool_name,
+                        status_name(c.status),
+                        shown(&c.output),
+                        shown(&c.error)
+                    )
+                })
+                .collect();
+            return completed(format!("after tools: {}", reports.join("; ")));
+        }
+        let attack = turn
+            .messages
+            .iter()
+            .rev()
+            .find(|m| m.role == MessageRole::User)
+            .map(|m| m.framework_item.clone())
+            .unwrap_or_default();
+        // `tool NAME {json}` calls hostile-tool's NAME with those arguments.
+        if let Some(rest) = attack.strip_prefix("tool ") {
+            let (name, arguments) = rest.split_once(' ').unwrap_or((rest, "{}"));
+            let mut call = deferred("c1", name);
+            call.arguments = arguments.to_string();
+            return request("state".into(), vec![call]);
+        }
+        match attack.as_str() {
+            "spin" => {
+                let mut counter: u64 = 0;
+                loop {
+                    counter = black_box(counter.wrapping_add(1));
+                }
+            }
+            "memory-bomb" => {
+                let mut hoard: Vec<Vec<u8>> = Vec::new();
+                loop {
+                    hoard.push(vec![0xA5; 1 << 20]);
+                    black_box(&hoard);
+                }
+            }
+            "recurse" => completed(recurse(0).to_string()),
+            "trap-model" => panic!("hostile run-model-step traps on purpose"),
+            "event-flood" => loop {
+                events::write_text_delta(&"z".repeat(1000));
+            },
+            "big-output" => completed("x".repeat(4 << 20)),
+            "big-run-state" => request("s".repeat(4 << 20), vec![deferred("c1", "runner_ok")]),
+            "empty-run-state" => request(String::new(), vec![deferred("c1", "runner_ok")]),
+            "dup-ids" => request(
+                "state".into(),
+                vec![deferred("c1", "runner_ok"), deferred("c1", "runner_ok")],
+            ),
+            "slash-ids" => request("state".into(), vec![deferred("a/b", "runner_ok")]),
+            "trap-deferred" => request("state".into(), vec![deferred("c1", "runner_trap")]),
+            "env" => {
+                let vars: Vec<String> = std::env::vars().map(|(k, v)| format!("{k}={v}")).collect();
+                let root = std::fs::read_dir("/")
+                    .map(|d| d.count())
+                    .map_err(|e| e.to_string());
+                completed(format!("env: {vars:?}; root: {root:?}"))
+            }
+            other => completed(format!("ok: {other}")),
+        }
+    }
+
+    fn execute_deferred_tool_call(call: DeferredToolExecution) -> Result<String, ToolError> {
+        match call.tool_call.tool_name.as_str() {
+            "runner_trap" => panic!("hostile execute-deferred-tool-call traps on purpose"),
+            _ => Ok("fine".to_string()),
+        }
+    }
+}
+
+export!(HostileRunner);

@@ -1,0 +1,658 @@
+//! Untrusted components: `guests/hostile/` attacks its sandbox from a tool
+//! and from a runner, on real `dexa worker` processes. Each attack must fail
+//! only its own Step, with a readable recorded error, and the session must
+//! then follow the spec's failure route. A healthy session on the same worker
+//! keeps its latency meanwhile.
+
+use std::io::{Read, Write};
+use std::net::TcpListener;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dexa::flow::{history, FlowStatus};
+use dexa::session::AgentSessionClient;
+use dexa_tests::kit::{wait_for_agent_snapshot, wait_for_turns, AgentTestStack};
+use dexa_tests::session::last_text;
+use dexa_tests::{guest_wasm, repo_root};
+use serde_json::json;
+
+const SECRET_VAR: &str = "DEXA_HOSTILE_SECRET";
+const SECRET_VALUE: &str = "hunter2-never-seen";
+const GRANTED_VAR: &str = "DEXA_HOSTILE_GRANTED";
+const MODEL_KEY_VAR: &str = "DEXA_HOSTILE_MODEL_KEY";
+const MODEL_KEY: &str = "sk-test-held-by-the-host";
+const SECRET_FILE_TEXT: &str = "TOP-SECRET outside the grant";
+
+/// A loopback TCP server that counts connections; plain HTTP 200 when
+/// `http` is set. It stops when dropped.
+struct CountingServer {
+    port: u16,
+    connections: Arc<AtomicUsize>,
+    stop: Arc<AtomicBool>,
+}
+
+impl CountingServer {
+    fn start(http: bool) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind a loopback port");
+        listener
+            .set_nonblocking(true)
+            .expect("nonblocking listener");
+        let port = listener.local_addr().expect("local addr").port();
+        let connections = Arc::new(AtomicUsize::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (count, stopped) = (connections.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !stopped.load(Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((mut stream, _)) => {
+                        count.fetch_add(1, Ordering::SeqCst);
+                        if http {
+                            let _ = stream.set_nonblocking(false);
+                            let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
+                            let mut request = [0u8; 4096];
+                            let _ = stream.read(&mut request);
+                            let _ = stream.write_all(
+                                b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: close\r\n\r\nhello",
+                            );
+                        }
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(10)),
+                }
+            }
+        });
+        Self {
+            port,
+            connections,
+            stop,
+        }
+    }
+
+    fn connections(&self) -> usize {
+        self.connections.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for CountingServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Loopback servers: one granted and one not, for HTTP and for raw TCP.
+struct Peers {
+    http_granted: CountingServer,
+    http_refused: CountingServer,
+    tcp_granted: CountingServer,
+    tcp_refused: CountingServer,
+}
+
+impl Peers {
+    fn start() -> Self {
+        Self {
+            http_granted: CountingServer::start(true),
+            http_refused: CountingServer::start(true),
+            tcp_granted: CountingServer::start(false),
+            tcp_refused: CountingServer::start(false),
+        }
+    }
+}
+
+/// `Attacks` runs hostile-runner and hostile-tool; `Healthy` runs
+/// scripted-runner and echo-tool, on the same workers. `extra_tool_limits`
+/// goes into hostile-tool's limits table.
+fn render(dir: &Path, peers: &Peers, extra_tool_limits: &str) -> String {
+    let data = dir.join("data");
+    std::fs::create_dir_all(&data).expect("data dir");
+    std::fs::write(data.join("visible.txt"), "granted text").expect("visible file");
+    std::fs::write(dir.join("secret.txt"), SECRET_FILE_TEXT).expect("secret file");
+    let link = data.join("link");
+    if !link.exists() {
+        std::os::unix::fs::symlink("../secret.txt", &link).expect("symlink");
+    }
+    let healthy_script = json!({"turns": [{"steps": [
+        {"tool_calls": [{"id": "e1", "name": "echo", "arguments": {"n": 1}, "effect": "read"}]},
+        {"text": "fine"},
+    ]}]});
+    format!(
+        r#"store = "sqlite:store.sqlite"
+cache_dir = "{cache}"
+
+[worker]
+slots = 24
+lease = "3s"
+poll_interval = "50ms"
+reap_interval = "100ms"
+
+[components.hostile-runner]
+path = "{hostile_runner}"
+limits = {{ memory = "32MiB", output = "1MiB", run_state = "1MiB", events_per_call = "64KiB" }}
+
+[components.hostile-tool]
+path = "{hostile_tool}"
+dirs = [{{ host = "data", guest = "/data", access = "read_only" }}]
+env = ["{GRANTED_VAR}"]
+http = ["127.0.0.1:{http_ok}"]
+tcp_connect = ["127.0.0.1:{tcp_ok}"]
+limits = {{ output = "1MiB", events_per_call = "64KiB"{extra_tool_limits} }}
+
+[components.scripted-runner]
+path = "{scripted_runner}"
+config = {{ script = '{healthy_script}' }}
+
+[components.echo-tool]
+path = "{echo_tool}"
+
+[models.guarded]
+provider = "openai"
+base_url = "http://127.0.0.1:9/v1"
+model = "never-called"
+api_key_env = "{MODEL_KEY_VAR}"
+
+[agents.Attacks]
+runner = "hostile-runner"
+tools = ["hostile-tool"]
+model = "guarded"
+tool_attempt_timeout = "1s"
+model_step_timeout = "1s"
+
+[agents.Healthy]
+runner = "scripted-runner"
+tools = ["echo-tool"]
+"#,
+        cache = repo_root().join("target/test-component-cache").display(),
+        hostile_runner = guest_wasm("hostile-runner").display(),
+        hostile_tool = guest_wasm("hostile-tool").display(),
+        scripted_runner = guest_wasm("scripted-runner").display(),
+        echo_tool = guest_wasm("echo-tool").display(),
+        http_ok = peers.http_granted.port,
+        tcp_ok = peers.tcp_granted.port,
+    )
+}
+
+const WORKER_ENV: [(&str, &str); 3] = [
+    (GRANTED_VAR, "granted-value"),
+    (SECRET_VAR, SECRET_VALUE),
+    (MODEL_KEY_VAR, MODEL_KEY),
+];
+
+fn stack(peers: &Peers, extra_tool_limits: &str) -> AgentTestStack {
+    let mut stack = AgentTestStack::with_config(|dir| render(dir, peers, extra_tool_limits));
+    stack.start_worker_with_env(&[], &WORKER_ENV);
+    stack
+}
+
+/// Starts session `id` with `message` and returns the text that ended its
+/// first turn, or the turn's recorded error.
+async fn first_turn(sessions: &AgentSessionClient, id: &str, message: &str) -> TurnEnd {
+    sessions
+        .start_session(id, message)
+        .await
+        .unwrap_or_else(|err| panic!("start {id}: {err}"));
+    let snapshot = wait_for_turns(sessions, id, 1).await;
+    let state = snapshot.state.clone().expect("state");
+    TurnEnd {
+        text: last_text(&snapshot).unwrap_or_default(),
+        error: state.last_turn_error,
+    }
+}
+
+#[derive(Debug)]
+struct TurnEnd {
+    text: String,
+    error: Option<String>,
+}
+
+/// A hostile-tool call's report line, from hostile-runner's answer.
+fn tool_report(end: &TurnEnd, tool: &str) -> String {
+    assert!(
+        end.error.is_none(),
+        "{tool}: the turn should complete, it failed: {:?}",
+        end.error
+    );
+    let prefix = "after tools: ";
+    assert!(
+        end.text.starts_with(prefix),
+        "{tool}: unexpected answer {:?}",
+        end.text
+    );
+    end.text[prefix.len()..].to_string()
+}
+
+fn assert_tool_failed(end: &TurnEnd, tool: &str, expected: &str) {
+    let report = tool_report(end, tool);
+    assert!(
+        report.starts_with(&format!("{tool} Failed ")),
+        "{tool}: expected a failed record, got {report:?}"
+    );
+    assert!(
+        report.contains(expected),
+        "{tool}: the recorded error should mention {expected:?}: {report:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_tool_attack_fails_only_its_own_call_with_a_readable_recorded_error() {
+    let peers = Peers::start();
+    let stack = stack(&peers, "");
+    let sessions = stack.sessions("Attacks");
+    let http_refused = format!("http://127.0.0.1:{}/steal", peers.http_refused.port);
+    let http_granted = format!("http://127.0.0.1:{}/ok", peers.http_granted.port);
+    let tcp_refused = format!("127.0.0.1:{}", peers.tcp_refused.port);
+    let tcp_granted = format!("127.0.0.1:{}", peers.tcp_granted.port);
+    let attacks = vec![
+        ("spin", json!({})),
+        ("memory_bomb", json!({})),
+        ("recurse", json!({})),
+        ("trap", json!({})),
+        ("event_flood", json!({})),
+        ("big_output", json!({"megabytes": 100})),
+        ("read_file", json!({"path": "/data/../secret.txt"})),
+        ("read_file", json!({"path": "/data/link"})),
+        ("read_file", json!({"path": "/data/visible.txt"})),
+        ("read_env", json!({"name": SECRET_VAR})),
+        ("read_env", json!({"name": GRANTED_VAR})),
+        ("http_get", json!({"url": http_refused})),
+        ("http_get", json!({"url": http_granted})),
+        ("tcp_connect", json!({"addr": tcp_refused})),
+        ("tcp_connect", json!({"addr": tcp_granted})),
+    ];
+    // All at once, on one worker: each must fail (or pass) on its own.
+    let runs = attacks.iter().enumerate().map(|(index, (tool, args))| {
+        let sessions = sessions.clone();
+        let message = format!("tool {tool} {args}");
+        async move { first_turn(&sessions, &format!("t{index}"), &message).await }
+    });
+    let ends = futures_util::future::join_all(runs).await;
+
+    assert_tool_failed(&ends[0], "spin", "ran past its deadline of 1s");
+    assert_tool_failed(&ends[1], "memory_bomb", "linear memory would grow to");
+    assert_tool_failed(&ends[2], "recurse", "call stack exhausted");
+    assert_tool_failed(&ends[3], "trap", "hostile tool panics on purpose");
+    assert_tool_failed(&ends[4], "event_flood", "bytes of events in one call");
+    assert_tool_failed(
+        &ends[5],
+        "big_output",
+        "over the output limit of 1048576 bytes",
+    );
+    for (end, path) in [(&ends[6], "/data/../secret.txt"), (&ends[7], "/data/link")] {
+        assert_tool_failed(end, "read_file", &format!("cannot read {path}"));
+        assert!(
+            !end.text.contains(SECRET_FILE_TEXT),
+            "{path} leaked: {}",
+            end.text
+        );
+    }
+    assert!(
+        tool_report(&ends[8], "read_file").contains("Succeeded output=Some(\"granted text\")"),
+        "the granted file is readable: {:?}",
+        ends[8]
+    );
+    assert_tool_failed(
+        &ends[9],
+        "read_env",
+        &format!("{SECRET_VAR} is not set; visible variables: [\\\"{GRANTED_VAR}\\\"]"),
+    );
+    assert!(!ends[9].text.contains(SECRET_VALUE));
+    assert!(
+        tool_report(&ends[10], "read_env").contains("Succeeded output=Some(\"granted-value\")"),
+        "{:?}",
+        ends[10]
+    );
+    assert_tool_failed(&ends[11], "http_get", "HttpRequestDenied");
+    assert!(
+        tool_report(&ends[12], "http_get").contains("Succeeded output=Some(\"200 hello\")"),
+        "{:?}",
+        ends[12]
+    );
+    assert_tool_failed(&ends[13], "tcp_connect", "access-denied");
+    assert!(
+        tool_report(&ends[14], "tcp_connect").contains("Succeeded"),
+        "{:?}",
+        ends[14]
+    );
+    assert_eq!(
+        peers.http_refused.connections(),
+        0,
+        "no byte to a host not granted"
+    );
+    assert_eq!(
+        peers.tcp_refused.connections(),
+        0,
+        "no socket to an address not granted"
+    );
+    assert!(peers.http_granted.connections() >= 1);
+    assert!(peers.tcp_granted.connections() >= 1);
+
+    // A Step failure takes the spec's route: three attempts, then
+    // RecordToolFailure, each attempt's error in the history.
+    let history = stack.read_step_history("t0").await;
+    let attempts: Vec<_> = history
+        .iter()
+        .filter(|e| e.step_type == "CallTool")
+        .map(|e| (e.event_type.as_str(), e.detail.clone().unwrap_or_default()))
+        .collect();
+    assert_eq!(
+        attempts.iter().map(|(event, _)| *event).collect::<Vec<_>>(),
+        vec![
+            history::ATTEMPT_FAILED,
+            history::ATTEMPT_FAILED,
+            history::EXECUTE_FAILED
+        ],
+        "{history:?}"
+    );
+    for (_, detail) in &attempts {
+        assert!(
+            detail.contains("`call` ran past its deadline"),
+            "each attempt's error is recorded: {detail}"
+        );
+    }
+    assert!(history.iter().any(|e| e.step_type == "RecordToolFailure"));
+
+    // The worker that ran every attack is still serving.
+    let healthy = stack.sessions("Healthy");
+    let end = first_turn(&healthy, "after", "hello").await;
+    assert_eq!(end.text, "fine");
+}
+
+/// Sends `message` as the next turn and waits for it to end.
+async fn next_turn(sessions: &AgentSessionClient, id: &str, turn: u64, message: &str) -> TurnEnd {
+    assert!(sessions
+        .send_user_message(id, message)
+        .await
+        .unwrap_or_else(|err| panic!("send to {id}: {err}")));
+    let snapshot = wait_for_turns(sessions, id, turn).await;
+    TurnEnd {
+        text: last_text(&snapshot).unwrap_or_default(),
+        error: snapshot.state.and_then(|s| s.last_turn_error),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_runner_attack_fails_its_turn_by_the_spec_route_and_the_session_goes_on() {
+    let peers = Peers::start();
+    let stack = stack(&peers, "");
+    let sessions = stack.sessions("Attacks");
+    let failing = [
+        ("spin", "`run-model-step` ran past its deadline of 1s"),
+        ("memory-bomb", "linear memory would grow to"),
+        ("recurse", "call stack exhausted"),
+        ("trap-model", "hostile run-model-step traps on purpose"),
+        ("event-flood", "bytes of events in one call"),
+        ("big-output", "over the output limit of 1048576 bytes"),
+        (
+            "big-run-state",
+            "framework run state is 4194304 bytes, over the limit of 1048576 bytes",
+        ),
+        ("empty-run-state", "framework_run_state is empty"),
+        (
+            "dup-ids",
+            "tool call id \"c1\" is not unique within the turn",
+        ),
+        ("slash-ids", "tool call id \"a/b\" contains '/'"),
+    ];
+    let runs = failing.iter().map(|(attack, _)| {
+        let sessions = sessions.clone();
+        async move {
+            let first = first_turn(&sessions, attack, attack).await;
+            // The session waits for the next message and answers it.
+            let second = next_turn(&sessions, attack, 2, "hello").await;
+            (first, second)
+        }
+    });
+    let results = futures_util::future::join_all(runs).await;
+    for ((attack, expected), (first, second)) in failing.iter().zip(&results) {
+        let error = first
+            .error
+            .as_deref()
+            .unwrap_or_else(|| panic!("{attack}: the turn should fail, it ended with {first:?}"));
+        assert!(
+            error.contains(expected),
+            "{attack}: last_turn_error should mention {expected:?}: {error}"
+        );
+        assert_eq!(second.text, "ok: hello", "{attack}: the next turn works");
+        assert_eq!(second.error, None);
+    }
+
+    // A trapping RunModel is retried three times, then RecordTurnFailure.
+    let history = stack.read_step_history("trap-model").await;
+    let model_events: Vec<&str> = history
+        .iter()
+        .filter(|e| e.step_type == "RunModel")
+        .map(|e| e.event_type.as_str())
+        .collect();
+    assert_eq!(
+        &model_events[..3],
+        &[
+            history::ATTEMPT_FAILED,
+            history::ATTEMPT_FAILED,
+            history::EXECUTE_FAILED
+        ],
+        "{history:?}"
+    );
+    assert!(history.iter().any(|e| e.step_type == "RecordTurnFailure"));
+
+    // A trap in execute-deferred-tool-call fails that tool call only.
+    let end = first_turn(&sessions, "trap-deferred", "trap-deferred").await;
+    let report = tool_report(&end, "runner_trap");
+    assert!(
+        report.starts_with("runner_trap Failed") && report.contains("traps on purpose"),
+        "{report}"
+    );
+
+    // The runner sees no environment, no files, and not the model's key.
+    let end = first_turn(&sessions, "env", "env").await;
+    assert!(end.text.starts_with("env: []; root: Err("), "{}", end.text);
+    assert!(!end.text.contains(MODEL_KEY));
+
+    // A trap in build-user-message: AwaitUserMessage has no failure route, so
+    // after its attempts the session fails, with the error in its history.
+    sessions
+        .start_session("trap-build", "")
+        .await
+        .expect("start");
+    wait_for_turns(&sessions, "trap-build", 0).await;
+    assert!(sessions
+        .send_user_message("trap-build", "trap-build")
+        .await
+        .expect("send"));
+    wait_for_agent_snapshot(&sessions, "trap-build", "the session to fail", |s| {
+        (s.flow_status == FlowStatus::Failed).then_some(())
+    })
+    .await;
+    let history = stack.read_step_history("trap-build").await;
+    let failed = history
+        .iter()
+        .find(|e| e.event_type == history::EXECUTE_FAILED)
+        .unwrap_or_else(|| panic!("no failed Step in {history:?}"));
+    assert_eq!(failed.step_type, "AwaitUserMessage");
+    assert!(
+        failed
+            .detail
+            .as_deref()
+            .is_some_and(|d| d.contains("hostile build-user-message traps on purpose")),
+        "{failed:?}"
+    );
+
+    // Other sessions of the same agent, on the same worker, are untouched.
+    let end = first_turn(&sessions, "still-fine", "hello").await;
+    assert_eq!(end.text, "ok: hello");
+}
+
+/// Median latency of `turns` healthy turns in session `id`.
+async fn healthy_turn_latency(sessions: &AgentSessionClient, id: &str, turns: u64) -> Duration {
+    sessions.start_session(id, "").await.expect("start healthy");
+    wait_for_turns(sessions, id, 0).await;
+    let mut samples = Vec::new();
+    for turn in 1..=turns {
+        let started = Instant::now();
+        let end = next_turn(sessions, id, turn, "hello").await;
+        samples.push(started.elapsed());
+        assert_eq!(end.text, "fine");
+    }
+    samples.sort();
+    samples[samples.len() / 2]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_healthy_session_on_the_same_worker_stays_within_twice_its_solo_latency() {
+    let peers = Peers::start();
+    let stack = stack(&peers, "");
+    let healthy = stack.sessions("Healthy");
+    let attacks = stack.sessions("Attacks");
+    // Warm the worker's instance pool and the store first.
+    healthy_turn_latency(&healthy, "warm", 2).await;
+    let solo = healthy_turn_latency(&healthy, "solo", 7).await;
+
+    // Keep a mix of attacks running the whole time: CPU spinners, memory
+    // bombs and event floods in both tools and runners.
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut attackers = Vec::new();
+    for (lane, message) in [
+        "tool spin {}",
+        "spin",
+        "tool memory_bomb {}",
+        "memory-bomb",
+        "tool event_flood {}",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let (attacks, stop) = (attacks.clone(), stop.clone());
+        attackers.push(tokio::spawn(async move {
+            let mut round = 0;
+            while !stop.load(Ordering::Relaxed) {
+                round += 1;
+                first_turn(&attacks, &format!("lane{lane}-{round}"), message).await;
+            }
+            round
+        }));
+    }
+    // Let the attacks get going before measuring.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let attacked = healthy_turn_latency(&healthy, "attacked", 7).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut rounds = 0;
+    for attacker in attackers {
+        rounds += attacker.await.expect("attacker");
+    }
+    println!(
+        "healthy turn p50: solo {solo:?}, beside {rounds} attack sessions {attacked:?} ({:.2}x)",
+        attacked.as_secs_f64() / solo.as_secs_f64()
+    );
+    assert!(
+        attacked <= solo * 2,
+        "a healthy turn took {attacked:?} beside attacks, over twice its solo {solo:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fuel_limit_stops_a_spinning_tool_before_its_deadline() {
+    let peers = Peers::start();
+    // 1 s of deadline would stop the spin too; fuel must stop it first.
+    let stack = stack(&peers, ", fuel = 20_000_000");
+    let sessions = stack.sessions("Attacks");
+    let end = first_turn(&sessions, "fuel", "tool spin {}").await;
+    assert_tool_failed(&end, "spin", "ran out of fuel (20000000 units)");
+    // Ordinary calls fit in the same budget.
+    let end = first_turn(
+        &sessions,
+        "fuel-ok",
+        "tool read_env {\"name\":\"DEXA_HOSTILE_GRANTED\"}",
+    )
+    .await;
+    assert!(
+        tool_report(&end, "read_env").contains("Succeeded"),
+        "{end:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tool_whose_list_tools_traps_is_refused_at_load_by_name() {
+    let peers = Peers::start();
+    let mut stack = AgentTestStack::with_config(|dir| {
+        render(dir, &peers, "").replace(
+            "[components.hostile-tool]\n",
+            "[components.hostile-tool]\nconfig = { trap_in_list_tools = \"true\" }\n",
+        )
+    });
+    let worker = stack.start_worker_with_env(&[], &WORKER_ENV);
+    let status = tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            if let Some(status) = stack.worker(worker).exit_status() {
+                return status;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("the worker should refuse to start");
+    assert!(!status.success());
+    let log = stack.worker_log(worker);
+    assert!(
+        log.contains("component `hostile-tool`: `list-tools` failed at load")
+            && log.contains("hostile list-tools traps on purpose"),
+        "{log}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_concurrent_calls_queues_calls_of_one_component_beyond_the_limit() {
+    // gate-tool with one instance at a time: the second of two parallel
+    // gates is reached only after the first is released.
+    let mut stack = AgentTestStack::with_config(|dir| {
+        let script = json!({"turns": [{"steps": [
+            {"tool_calls": [
+                {"id": "a", "name": "gate", "arguments": {"name": "a"}, "effect": "read"},
+                {"id": "b", "name": "gate", "arguments": {"name": "b"}, "effect": "read"},
+            ]},
+            {"text": "both done"},
+        ]}]});
+        format!(
+            r#"store = "sqlite:store.sqlite"
+cache_dir = "{cache}"
+[worker]
+slots = 8
+poll_interval = "50ms"
+[components.runner]
+path = "{runner}"
+config = {{ script = '{script}' }}
+[components.gate-tool]
+path = "{gate}"
+dirs = [{{ host = "{gates}", guest = "/gates", access = "read_write" }}]
+limits = {{ max_concurrent_calls = 1 }}
+[agents.Gated]
+runner = "runner"
+tools = ["gate-tool"]
+"#,
+            cache = repo_root().join("target/test-component-cache").display(),
+            runner = guest_wasm("scripted-runner").display(),
+            gate = guest_wasm("gate-tool").display(),
+            gates = dir.join("gates").display(),
+        )
+    });
+    stack.start_worker();
+    let sessions = stack.sessions("Gated");
+    sessions.start_session("s1", "go").await.expect("start");
+    let (a, b) = (stack.gate("a"), stack.gate("b"));
+    let first = tokio::select! {
+        () = a.wait_until_reached() => a.clone(),
+        () = b.wait_until_reached() => b.clone(),
+    };
+    let second = if first.is_reached() && b.is_reached() && a.is_reached() {
+        panic!("both gates were reached at once with max_concurrent_calls = 1");
+    } else if a.is_reached() {
+        b
+    } else {
+        a
+    };
+    // The other call is waiting for the one instance, not running.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!second.is_reached(), "the second call ran beside the first");
+    first.release();
+    second.wait_until_reached().await;
+    second.release();
+    let snapshot = wait_for_turns(&sessions, "s1", 1).await;
+    assert_eq!(last_text(&snapshot).as_deref(), Some("both done"));
+}
