@@ -11,7 +11,7 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use criterion::{criterion_group, Criterion};
+use criterion::{criterion_group, BatchSize, Criterion};
 use dexa::plugin::wit::{
     AgentMessage, DeferredToolExecution, MessageRole, ToolCallRecord, ToolCallStatus, ToolEffect,
     ToolPolicy, TurnContext,
@@ -152,10 +152,12 @@ impl Fixture {
         assert_eq!(output.len(), 13);
     }
 
-    fn run_model_step_once(&self) {
+    /// The turn is built by the caller (the session builds one per call), so
+    /// its copy is not part of the measured call.
+    fn run_model_step_once(&self, turn: TurnContext) {
         let outcome = self
             .rt
-            .block_on(self.runner.run_model_step(env(), &self.turn))
+            .block_on(self.runner.run_model_step(env(), turn))
             .expect("call");
         assert!(outcome.is_ok(), "{outcome:?}");
     }
@@ -167,7 +169,11 @@ fn bench_sandbox(c: &mut Criterion) {
     group.bench_function("tool/tiny-echo", |b| b.iter(|| fixture.tiny_echo_once()));
     group.bench_function("tool/echo", |b| b.iter(|| fixture.echo_once()));
     group.bench_function("runner/run-model-step-50", |b| {
-        b.iter(|| fixture.run_model_step_once())
+        b.iter_batched(
+            || fixture.turn.clone(),
+            |turn| fixture.run_model_step_once(turn),
+            BatchSize::SmallInput,
+        )
     });
     group.finish();
 }
@@ -177,30 +183,33 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[index.min(sorted.len() - 1)]
 }
 
-type BenchCase<'a> = &'a dyn Fn(&Fixture);
+/// A case gets a fresh copy of the turn, made before its timer starts.
+type BenchCase<'a> = &'a dyn Fn(&Fixture, TurnContext);
 
 /// Times each call on its own and prints p50/p99 and throughput.
 fn report_percentiles(samples: usize) {
     let fixture = Fixture::new();
     let cases: [(&str, BenchCase); 3] = [
-        ("tool/tiny-echo", &|f: &Fixture| f.tiny_echo_once()),
-        ("tool/echo", &|f: &Fixture| f.echo_once()),
-        ("runner/run-model-step-50", &|f: &Fixture| {
-            f.run_model_step_once()
+        ("tool/tiny-echo", &|f: &Fixture, _| f.tiny_echo_once()),
+        ("tool/echo", &|f: &Fixture, _| f.echo_once()),
+        ("runner/run-model-step-50", &|f: &Fixture, turn| {
+            f.run_model_step_once(turn)
         }),
     ];
     for (name, run) in cases {
         for _ in 0..samples.min(200) {
-            run(&fixture);
+            run(&fixture, fixture.turn.clone());
         }
         let mut times = Vec::with_capacity(samples);
-        let started = Instant::now();
+        let mut total = Duration::ZERO;
         for _ in 0..samples {
+            let turn = fixture.turn.clone();
             let t = Instant::now();
-            run(&fixture);
-            times.push(t.elapsed());
+            run(&fixture, turn);
+            let took = t.elapsed();
+            total += took;
+            times.push(took);
         }
-        let total = started.elapsed();
         times.sort();
         println!(
             "sandbox/{name}: p50 {:.1} µs, p99 {:.1} µs, {:.0} calls/s over {samples} calls",

@@ -7,6 +7,7 @@
 
 pub mod api_server;
 pub mod chat_server;
+pub mod hostile;
 pub mod kit;
 pub mod session;
 pub mod toy;

@@ -153,7 +153,7 @@ async fn every_guest_loads_and_every_export_can_be_called() {
     assert_eq!(message.role, MessageRole::User);
     assert_eq!(message.text.as_deref(), Some("hello"));
     let outcome = runner
-        .run_model_step(env(), &turn("turn-1", "hello", None, Vec::new()))
+        .run_model_step(env(), turn("turn-1", "hello", None, Vec::new()))
         .await
         .expect("run-model-step")
         .expect("turn outcome");
@@ -359,7 +359,7 @@ async fn heartbeats_and_events_reach_the_host_with_the_step_tags() {
             CallEnv::new(tag.clone())
                 .with_events(events.clone())
                 .with_heartbeats(heartbeats.clone()),
-            &turn("turn-1", script, None, Vec::new()),
+            turn("turn-1", script, None, Vec::new()),
         )
         .await
         .expect("run")
@@ -429,7 +429,7 @@ async fn events_written_after_the_call_returned_are_dropped() {
     let outcome = runner
         .run_model_step(
             env,
-            &turn("turn-1", r#"{"steps":[{"model":true}]}"#, None, Vec::new()),
+            turn("turn-1", r#"{"steps":[{"model":true}]}"#, None, Vec::new()),
         )
         .await
         .expect("run")
@@ -474,7 +474,7 @@ async fn the_model_answers_once_per_run_model_step() {
     let outcome = runner
         .run_model_step(
             env().with_model(model.clone()),
-            &turn(
+            turn(
                 "turn-1",
                 r#"{"steps":[{"model":true,"model_twice":true}]}"#,
                 None,
@@ -501,7 +501,7 @@ async fn the_model_answers_once_per_run_model_step() {
     let failed = runner
         .run_model_step(
             env(),
-            &turn("turn-1", r#"{"steps":[{"model":true}]}"#, None, Vec::new()),
+            turn("turn-1", r#"{"steps":[{"model":true}]}"#, None, Vec::new()),
         )
         .await
         .expect("run");
@@ -529,7 +529,7 @@ async fn tool_policies_are_resolved_by_the_host() {
     let outcome = runner
         .run_model_step(
             env().with_policy(Arc::new(policies)),
-            &turn("turn-1", script, None, Vec::new()),
+            turn("turn-1", script, None, Vec::new()),
         )
         .await
         .expect("run")
@@ -594,7 +594,7 @@ async fn tool_policies_are_resolved_by_the_host() {
     let resumed = runner
         .run_model_step(
             env(),
-            &turn(
+            turn(
                 "turn-1",
                 script2,
                 Some(requested.framework_run_state.clone()),
@@ -683,7 +683,7 @@ async fn a_trapping_guest_gives_a_typed_error_and_the_next_call_works() {
     let err = runner
         .run_model_step(
             env(),
-            &turn(
+            turn(
                 "turn-1",
                 r#"{"steps":[{"text":"x","trap_attempts":1}]}"#,
                 None,
@@ -706,7 +706,7 @@ async fn a_trapping_guest_gives_a_typed_error_and_the_next_call_works() {
     let failed = runner
         .run_model_step(
             env(),
-            &turn(
+            turn(
                 "turn-1",
                 r#"{"steps":[{"text":"x","fail_attempts":1}]}"#,
                 None,

@@ -143,9 +143,9 @@ impl CallEnv {
 
 /// Enforces [`ComponentLimits`] and remembers which limit stopped the guest,
 /// so the error can say so.
-pub(crate) struct CallLimiter {
+struct CallLimiter {
     limits: ComponentLimits,
-    pub(crate) exceeded: Option<String>,
+    exceeded: Option<String>,
 }
 
 impl ResourceLimiter for CallLimiter {
@@ -201,7 +201,7 @@ pub struct CallState {
     pub(crate) component: Arc<str>,
     wasi: WasiCtx,
     table: ResourceTable,
-    pub(crate) limiter: CallLimiter,
+    limiter: CallLimiter,
     http: HttpState,
     pub(crate) step: StepState,
     pub(crate) events: EventWriter,
@@ -279,14 +279,16 @@ impl Call {
                     reason: "the component is shutting down".to_string(),
                 })
             }
-            Err(_elapsed) => return Err(CallError::LimitExceeded {
-                component: settings.name.clone(),
-                export,
-                reason: format!(
+            Err(_elapsed) => {
+                return Err(CallError::LimitExceeded {
+                    component: settings.name.clone(),
+                    export,
+                    reason: format!(
                     "no free instance within {:?}: {} calls of this component were already running",
                     env.timeout, settings.limits.max_concurrent_calls
                 ),
-            }),
+                })
+            }
         };
         let component: Arc<str> = Arc::from(settings.name.as_str());
         let stderr = MemoryOutputPipe::new(settings.limits.stderr_bytes);
@@ -363,7 +365,7 @@ impl Call {
     }
 
     /// Fails the call when it returned more than the output cap.
-    pub fn check_output<R: BoundaryBytes>(&self, value: &R) -> Result<(), CallError> {
+    fn check_output<R: BoundaryBytes>(&self, value: &R) -> Result<(), CallError> {
         let bytes = value.boundary_bytes();
         if bytes > self.output_bytes {
             return Err(CallError::LimitExceeded {

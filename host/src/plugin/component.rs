@@ -398,14 +398,15 @@ impl RunnerComponent {
         .await
     }
 
-    /// `run-model-step`. The only export that may call the model.
+    /// `run-model-step`. The only export that may call the model. Takes the
+    /// turn by value: a call may move to the guest pool, and a 50-message
+    /// turn costs more to copy than the call itself.
     pub async fn run_model_step(
         &self,
         env: CallEnv,
-        turn: &TurnContext,
+        turn: TurnContext,
     ) -> Result<Result<TurnOutcome, String>, CallError> {
         let this = self.callable.clone();
-        let turn = turn.clone();
         guest_pool::run(self.callable.name(), async move {
             let mut call = this.begin(env, "run-model-step", true).await?;
             let runner = this.instantiate(&mut call).await?;

@@ -37,7 +37,7 @@ impl Default for SandboxConfig {
             cache_dir: None,
             max_concurrent_instances: 256,
             max_memory_bytes: 256 << 20,
-            epoch_tick: Duration::from_millis(1),
+            epoch_tick: Duration::from_millis(10),
             // With PAGEMAP_SCAN only dirtied pages are reset; without it the
             // whole amount is memset on every reuse, so keep it small.
             memory_keep_resident: if PoolingAllocationConfig::is_pagemap_scan_available() {

@@ -1,16 +1,26 @@
-//! Guest code runs on threads of its own, at a lower CPU priority than the
-//! host. A guest that burns CPU up to its deadline then competes with other
-//! guests, not with the host's commits, lease renewals and heartbeats: those
-//! keep their pace, so a busy worker does not lose its leases (which would
-//! run Steps twice), and a healthy session's own host work is not slowed.
+//! Long guest calls move to threads of their own, at a lower CPU priority
+//! than the host. A guest that burns CPU up to its deadline then competes
+//! with other long guests, not with the host's commits, lease renewals and
+//! heartbeats: those keep their pace, so a busy worker does not lose its
+//! leases (which would run Steps twice), and a healthy session's work is not
+//! slowed. A call starts on the caller's thread and moves only once it has
+//! run (or waited) past [`INLINE_BUDGET`], so the common short call pays no
+//! thread hop.
 
 use std::future::Future;
 use std::sync::OnceLock;
+use std::task::Poll;
+use std::time::{Duration, Instant};
 
-use tokio::runtime::{Handle, Runtime};
+use tokio::runtime::Runtime;
 use tokio::task::JoinHandle;
 
 use super::error::CallError;
+
+/// How long a call runs on the caller's thread before it moves to the pool.
+/// A spinning guest moves at its first epoch yield (every tick); a call that
+/// waits on the host (the model) moves when it wakes, which costs nothing.
+const INLINE_BUDGET: Duration = Duration::from_millis(2);
 
 /// How much lower than the host guest threads run (a `nice` increment).
 const GUEST_NICENESS: libc::c_int = 10;
@@ -64,17 +74,28 @@ impl<T> Drop for AbortOnDrop<T> {
     }
 }
 
-/// Runs one guest call on the guest pool and waits for it.
+/// Runs one guest call: on the caller's thread while it is short, then on
+/// the guest pool.
 pub(crate) async fn run<T, F>(component: &str, call: F) -> Result<T, CallError>
 where
     F: Future<Output = Result<T, CallError>> + Send + 'static,
     T: Send + 'static,
 {
-    let handle = match pool() {
-        Some(runtime) => runtime.handle().clone(),
-        None => Handle::current(),
+    let started = Instant::now();
+    let mut call = Box::pin(call);
+    let finished = std::future::poll_fn(|cx| match call.as_mut().poll(cx) {
+        Poll::Ready(result) => Poll::Ready(Some(result)),
+        Poll::Pending if started.elapsed() < INLINE_BUDGET => Poll::Pending,
+        Poll::Pending => Poll::Ready(None),
+    })
+    .await;
+    if let Some(result) = finished {
+        return result;
+    }
+    let Some(runtime) = pool() else {
+        return call.await;
     };
-    let mut task = AbortOnDrop(handle.spawn(call));
+    let mut task = AbortOnDrop(runtime.handle().spawn(call));
     match (&mut task.0).await {
         Ok(result) => result,
         Err(err) => Err(CallError::Instantiate {

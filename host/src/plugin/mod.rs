@@ -6,6 +6,8 @@
 //!   `InstancePre`; every call gets a new `Store` and instance.
 //! - [`factors`]: the host capabilities behind the WIT imports, one module each.
 //! - [`Grants`] and [`ComponentLimits`]: what a component may reach and use.
+//! - `guest_pool`: long calls move to lower-priority threads.
+//! - `boundary`: the byte caps on what a guest returns.
 
 pub mod bindings;
 mod boundary;

@@ -464,7 +464,7 @@ impl SessionSteps {
             if let Some(model) = &components.model {
                 env = env.with_model(model.clone());
             }
-            components.runner.run_model_step(env, &turn_context).await
+            components.runner.run_model_step(env, turn_context).await
         };
         let leftovers = events.finish().await;
         let result: Result<StepResult, StepError> = async {

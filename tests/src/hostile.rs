@@ -1,0 +1,253 @@
+//! The hostile-guest stack of `tests/hostile*.rs`: a `dexa.toml` with
+//! `guests/hostile/` beside a healthy agent, loopback peers that count
+//! connections, and helpers that read what the host recorded.
+//!
+//! - `Attacks` runs hostile-runner and hostile-tool (granted `/data`, one
+//!   environment variable, one HTTP and one TCP peer; 1 s deadlines);
+//! - `Healthy` runs scripted-runner and echo-tool on the same workers.
+
+use std::io::{Read, Write};
+use std::net::TcpListener;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use dexa::session::AgentSessionClient;
+use serde_json::json;
+
+use crate::kit::{wait_for_turns, AgentTestStack};
+use crate::session::last_text;
+use crate::{guest_wasm, repo_root};
+
+pub const SECRET_VAR: &str = "DEXA_HOSTILE_SECRET";
+pub const SECRET_VALUE: &str = "hunter2-never-seen";
+pub const GRANTED_VAR: &str = "DEXA_HOSTILE_GRANTED";
+pub const MODEL_KEY_VAR: &str = "DEXA_HOSTILE_MODEL_KEY";
+pub const MODEL_KEY: &str = "sk-test-held-by-the-host";
+pub const SECRET_FILE_TEXT: &str = "TOP-SECRET outside the grant";
+
+/// A loopback TCP server that counts connections; plain HTTP 200 when
+/// `http` is set. It stops when dropped.
+pub struct CountingServer {
+    pub port: u16,
+    connections: Arc<AtomicUsize>,
+    stop: Arc<AtomicBool>,
+}
+
+impl CountingServer {
+    fn start(http: bool) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind a loopback port");
+        listener
+            .set_nonblocking(true)
+            .expect("nonblocking listener");
+        let port = listener.local_addr().expect("local addr").port();
+        let connections = Arc::new(AtomicUsize::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (count, stopped) = (connections.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !stopped.load(Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((mut stream, _)) => {
+                        count.fetch_add(1, Ordering::SeqCst);
+                        if http {
+                            let _ = stream.set_nonblocking(false);
+                            let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
+                            let mut request = [0u8; 4096];
+                            let _ = stream.read(&mut request);
+                            let _ = stream.write_all(
+                                b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: close\r\n\r\nhello",
+                            );
+                        }
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(10)),
+                }
+            }
+        });
+        Self {
+            port,
+            connections,
+            stop,
+        }
+    }
+
+    pub fn connections(&self) -> usize {
+        self.connections.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for CountingServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Loopback servers: one granted and one not, for HTTP and for raw TCP.
+pub struct Peers {
+    pub http_granted: CountingServer,
+    pub http_refused: CountingServer,
+    pub tcp_granted: CountingServer,
+    pub tcp_refused: CountingServer,
+}
+
+impl Peers {
+    pub fn start() -> Self {
+        Self {
+            http_granted: CountingServer::start(true),
+            http_refused: CountingServer::start(true),
+            tcp_granted: CountingServer::start(false),
+            tcp_refused: CountingServer::start(false),
+        }
+    }
+}
+
+/// `Attacks` runs hostile-runner and hostile-tool; `Healthy` runs
+/// scripted-runner and echo-tool, on the same workers. `extra_tool_limits`
+/// goes into hostile-tool's limits table.
+pub fn render(dir: &Path, peers: &Peers, extra_tool_limits: &str) -> String {
+    let data = dir.join("data");
+    std::fs::create_dir_all(&data).expect("data dir");
+    std::fs::write(data.join("visible.txt"), "granted text").expect("visible file");
+    std::fs::write(dir.join("secret.txt"), SECRET_FILE_TEXT).expect("secret file");
+    let link = data.join("link");
+    if !link.exists() {
+        std::os::unix::fs::symlink("../secret.txt", &link).expect("symlink");
+    }
+    let healthy_script = json!({"turns": [{"steps": [
+        {"tool_calls": [{"id": "e1", "name": "echo", "arguments": {"n": 1}, "effect": "read"}]},
+        {"text": "fine"},
+    ]}]});
+    format!(
+        r#"store = "sqlite:store.sqlite"
+cache_dir = "{cache}"
+
+[worker]
+slots = 24
+lease = "3s"
+poll_interval = "50ms"
+reap_interval = "100ms"
+
+[components.hostile-runner]
+path = "{hostile_runner}"
+limits = {{ memory = "32MiB", output = "1MiB", run_state = "1MiB", events_per_call = "64KiB" }}
+
+[components.hostile-tool]
+path = "{hostile_tool}"
+dirs = [{{ host = "data", guest = "/data", access = "read_only" }}]
+env = ["{GRANTED_VAR}"]
+http = ["127.0.0.1:{http_ok}"]
+tcp_connect = ["127.0.0.1:{tcp_ok}"]
+limits = {{ output = "1MiB", events_per_call = "64KiB"{extra_tool_limits} }}
+
+[components.scripted-runner]
+path = "{scripted_runner}"
+config = {{ script = '{healthy_script}' }}
+
+[components.echo-tool]
+path = "{echo_tool}"
+
+[models.guarded]
+provider = "openai"
+base_url = "http://127.0.0.1:9/v1"
+model = "never-called"
+api_key_env = "{MODEL_KEY_VAR}"
+
+[agents.Attacks]
+runner = "hostile-runner"
+tools = ["hostile-tool"]
+model = "guarded"
+tool_attempt_timeout = "1s"
+model_step_timeout = "1s"
+
+[agents.Healthy]
+runner = "scripted-runner"
+tools = ["echo-tool"]
+"#,
+        cache = repo_root().join("target/test-component-cache").display(),
+        hostile_runner = guest_wasm("hostile-runner").display(),
+        hostile_tool = guest_wasm("hostile-tool").display(),
+        scripted_runner = guest_wasm("scripted-runner").display(),
+        echo_tool = guest_wasm("echo-tool").display(),
+        http_ok = peers.http_granted.port,
+        tcp_ok = peers.tcp_granted.port,
+    )
+}
+
+pub const WORKER_ENV: [(&str, &str); 3] = [
+    (GRANTED_VAR, "granted-value"),
+    (SECRET_VAR, SECRET_VALUE),
+    (MODEL_KEY_VAR, MODEL_KEY),
+];
+
+pub fn stack(peers: &Peers, extra_tool_limits: &str) -> AgentTestStack {
+    let mut stack = AgentTestStack::with_config(|dir| render(dir, peers, extra_tool_limits));
+    stack.start_worker_with_env(&[], &WORKER_ENV);
+    stack
+}
+
+/// Starts session `id` with `message` and returns the text that ended its
+/// first turn, or the turn's recorded error.
+pub async fn first_turn(sessions: &AgentSessionClient, id: &str, message: &str) -> TurnEnd {
+    sessions
+        .start_session(id, message)
+        .await
+        .unwrap_or_else(|err| panic!("start {id}: {err}"));
+    let snapshot = wait_for_turns(sessions, id, 1).await;
+    let state = snapshot.state.clone().expect("state");
+    TurnEnd {
+        text: last_text(&snapshot).unwrap_or_default(),
+        error: state.last_turn_error,
+    }
+}
+
+#[derive(Debug)]
+pub struct TurnEnd {
+    pub text: String,
+    pub error: Option<String>,
+}
+
+/// A hostile-tool call's report line, from hostile-runner's answer.
+pub fn tool_report(end: &TurnEnd, tool: &str) -> String {
+    assert!(
+        end.error.is_none(),
+        "{tool}: the turn should complete, it failed: {:?}",
+        end.error
+    );
+    let prefix = "after tools: ";
+    assert!(
+        end.text.starts_with(prefix),
+        "{tool}: unexpected answer {:?}",
+        end.text
+    );
+    end.text[prefix.len()..].to_string()
+}
+
+pub fn assert_tool_failed(end: &TurnEnd, tool: &str, expected: &str) {
+    let report = tool_report(end, tool);
+    assert!(
+        report.starts_with(&format!("{tool} Failed ")),
+        "{tool}: expected a failed record, got {report:?}"
+    );
+    assert!(
+        report.contains(expected),
+        "{tool}: the recorded error should mention {expected:?}: {report:?}"
+    );
+}
+
+/// Sends `message` as the next turn and waits for it to end.
+pub async fn next_turn(
+    sessions: &AgentSessionClient,
+    id: &str,
+    turn: u64,
+    message: &str,
+) -> TurnEnd {
+    assert!(sessions
+        .send_user_message(id, message)
+        .await
+        .unwrap_or_else(|err| panic!("send to {id}: {err}")));
+    let snapshot = wait_for_turns(sessions, id, turn).await;
+    TurnEnd {
+        text: last_text(&snapshot).unwrap_or_default(),
+        error: snapshot.state.and_then(|s| s.last_turn_error),
+    }
+}

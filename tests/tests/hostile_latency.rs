@@ -1,0 +1,79 @@
+//! A healthy session on the same worker as a stream of hostile sessions
+//! (CPU spinners, memory bombs, event floods in tools and runners) keeps its
+//! turn latency within twice its solo latency. Its own test binary, so that
+//! no other test shares the machine while it measures.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dexa::session::AgentSessionClient;
+use dexa_tests::hostile::{first_turn, next_turn, stack, Peers};
+use dexa_tests::kit::wait_for_turns;
+
+/// Median latency of `turns` healthy turns in session `id`.
+async fn healthy_turn_latency(sessions: &AgentSessionClient, id: &str, turns: u64) -> Duration {
+    sessions.start_session(id, "").await.expect("start healthy");
+    wait_for_turns(sessions, id, 0).await;
+    let mut samples = Vec::new();
+    for turn in 1..=turns {
+        let started = Instant::now();
+        let end = next_turn(sessions, id, turn, "hello").await;
+        samples.push(started.elapsed());
+        assert_eq!(end.text, "fine");
+    }
+    samples.sort();
+    samples[samples.len() / 2]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_healthy_session_on_the_same_worker_stays_within_twice_its_solo_latency() {
+    let peers = Peers::start();
+    let stack = stack(&peers, "");
+    let healthy = stack.sessions("Healthy");
+    let attacks = stack.sessions("Attacks");
+    // Warm the worker's instance pool and the store first.
+    healthy_turn_latency(&healthy, "warm", 2).await;
+    let solo = healthy_turn_latency(&healthy, "solo", 7).await;
+
+    // Keep a mix of attacks running the whole time: CPU spinners, memory
+    // bombs and event floods in both tools and runners.
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut attackers = Vec::new();
+    for (lane, message) in [
+        "tool spin {}",
+        "spin",
+        "tool memory_bomb {}",
+        "memory-bomb",
+        "tool event_flood {}",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let (attacks, stop) = (attacks.clone(), stop.clone());
+        attackers.push(tokio::spawn(async move {
+            let mut round = 0;
+            while !stop.load(Ordering::Relaxed) {
+                round += 1;
+                first_turn(&attacks, &format!("lane{lane}-{round}"), message).await;
+            }
+            round
+        }));
+    }
+    // Let the attacks get going before measuring.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let attacked = healthy_turn_latency(&healthy, "attacked", 7).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut rounds = 0;
+    for attacker in attackers {
+        rounds += attacker.await.expect("attacker");
+    }
+    println!(
+        "healthy turn p50: solo {solo:?}, beside {rounds} attack sessions {attacked:?} ({:.2}x)",
+        attacked.as_secs_f64() / solo.as_secs_f64()
+    );
+    assert!(
+        attacked <= solo * 2,
+        "a healthy turn took {attacked:?} beside attacks, over twice its solo {solo:?}"
+    );
+}
