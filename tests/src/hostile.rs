@@ -4,7 +4,9 @@
 //!
 //! - `Attacks` runs hostile-runner and hostile-tool (granted `/data`, one
 //!   environment variable, one HTTP and one TCP peer; 1 s deadlines);
-//! - `Healthy` runs scripted-runner and echo-tool on the same workers.
+//! - `Healthy` runs scripted-runner and echo-tool on the same workers;
+//!   `HealthySlow` is the same turn with 40 ms of model latency per step
+//!   (its calls wait past the inline budget, so they run on the guest pool).
 
 use std::io::{Read, Write};
 use std::net::TcpListener;
@@ -117,6 +119,10 @@ pub fn render(dir: &Path, peers: &Peers, extra_tool_limits: &str) -> String {
         {"tool_calls": [{"id": "e1", "name": "echo", "arguments": {"n": 1}, "effect": "read"}]},
         {"text": "fine"},
     ]}]});
+    let slow_script = json!({"turns": [{"steps": [
+        {"sleep_ms": 40, "tool_calls": [{"id": "e1", "name": "echo", "arguments": {"n": 1}, "effect": "read"}]},
+        {"sleep_ms": 40, "text": "fine"},
+    ]}]});
     format!(
         r#"store = "sqlite:store.sqlite"
 cache_dir = "{cache}"
@@ -143,6 +149,10 @@ limits = {{ output = "1MiB", events_per_call = "64KiB"{extra_tool_limits} }}
 path = "{scripted_runner}"
 config = {{ script = '{healthy_script}' }}
 
+[components.slow-runner]
+path = "{scripted_runner}"
+config = {{ script = '{slow_script}' }}
+
 [components.echo-tool]
 path = "{echo_tool}"
 
@@ -161,6 +171,10 @@ model_step_timeout = "1s"
 
 [agents.Healthy]
 runner = "scripted-runner"
+tools = ["echo-tool"]
+
+[agents.HealthySlow]
+runner = "slow-runner"
 tools = ["echo-tool"]
 "#,
         cache = repo_root().join("target/test-component-cache").display(),

@@ -210,10 +210,14 @@ struct RawLimits {
     output: Option<Spanned<ByteSize>>,
     run_state: Option<Spanned<ByteSize>>,
     events_per_call: Option<Spanned<ByteSize>>,
+    host_handles: Option<Spanned<u64>>,
 }
 
 #[derive(Deserialize)]
-#[serde(untagged)]
+#[serde(
+    untagged,
+    expecting = "a size: a whole number of bytes, or a string like \"64MiB\""
+)]
 enum ByteSize {
     Bytes(u64),
     Text(String),
@@ -687,6 +691,9 @@ impl Locator<'_> {
         if let Some(v) = &raw.events_per_call {
             limits.event_bytes_per_call = size(v, "events_per_call")?;
         }
+        if let Some(v) = &raw.host_handles {
+            limits.host_handles = usize_of(count(v, "host_handles")?);
+        }
         Ok(limits)
     }
 
@@ -972,6 +979,8 @@ limits = { memory = "64MiB", fuel = 1_000, max_concurrent_calls = 2, output = 40
             ("[components.a]\npath = \"a.wasm\"\nlimits = { fuel = 0 }\n", 3, "limits.fuel must be at least 1"),
             ("[components.a]\npath = \"a.wasm\"\nlimits = { output = 0 }\n", 3, "limits.output must be above 0"),
             ("[components.a]\npath = \"a.wasm\"\nlimits = { cpu = 5 }\n", 3, "unknown field `cpu`"),
+            ("[components.a]\npath = \"a.wasm\"\nlimits = { memory = -1 }\n", 3, "a whole number of bytes"),
+            ("[components.a]\npath = \"a.wasm\"\nhttp = [\"::1:8080\"]\n", 3, "IPv6 host in brackets"),
             ("[components.r]\npath = \"r.wasm\"\n[agents.A]\nrunner = \"r\"\nmodel_step_timeout = \"0s\"\n", 5, "model_step_timeout must be longer than 0"),
         ];
         for (text, line, needle) in cases {

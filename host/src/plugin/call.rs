@@ -46,6 +46,9 @@ pub struct ComponentLimits {
     pub event_bytes_per_call: u64,
     /// Bytes of the guest's stderr kept for error messages.
     pub stderr_bytes: usize,
+    /// Host resources (streams, pollables, HTTP headers...) one call may
+    /// hold at once; each holds host memory outside `memory_bytes`.
+    pub host_handles: usize,
 }
 
 impl Default for ComponentLimits {
@@ -60,6 +63,7 @@ impl Default for ComponentLimits {
             run_state_bytes: 1 << 20,
             event_bytes_per_call: 4 << 20,
             stderr_bytes: 16 << 10,
+            host_handles: 4096,
         }
     }
 }
@@ -306,11 +310,15 @@ impl Call {
             settings.limits.event_bytes_per_call,
         );
         let http = HttpState::new(settings.grants.http.clone().into(), component.clone());
+        // Handles (streams, pollables, HTTP fields) hold host memory the
+        // guest's memory limit does not count; bound how many it may keep.
+        let mut table = ResourceTable::new();
+        table.set_max_capacity(settings.limits.host_handles);
         let denied_http = http.denied();
         let state = CallState {
             component: component.clone(),
             wasi,
-            table: ResourceTable::new(),
+            table,
             limiter: CallLimiter {
                 limits: settings.limits.clone(),
                 exceeded: None,

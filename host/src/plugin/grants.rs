@@ -60,7 +60,13 @@ impl HttpAuthority {
         let (host, port) = text
             .rsplit_once(':')
             .ok_or_else(|| format!("HTTP grant {text:?} must be host:port"))?;
+        let bracketed = host.starts_with('[') && host.ends_with(']');
         let host = host.trim_start_matches('[').trim_end_matches(']');
+        if host.contains(':') && !bracketed {
+            return Err(format!(
+                "HTTP grant {text:?}: write an IPv6 host in brackets, like \"[::1]:8080\""
+            ));
+        }
         if host.is_empty() || host.contains(['/', '@', ' ', '*']) {
             return Err(format!("HTTP grant {text:?} has an invalid host"));
         }

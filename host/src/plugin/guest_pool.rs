@@ -51,17 +51,34 @@ fn pool() -> Option<&'static Runtime> {
     .as_ref()
 }
 
+#[cfg(target_os = "linux")]
 fn lower_this_threads_priority() {
-    // On Linux a thread has its own nice value; the thread id addresses it.
-    // SAFETY: gettid and setpriority take no pointers and have no
-    // preconditions; a failure only leaves the priority as it was.
+    // On Linux a thread has its own nice value, addressed by its thread id.
+    // setpriority sets an absolute value, so add to the current one.
+    // SAFETY: gettid, getpriority and setpriority take no pointers and have
+    // no preconditions; a failure leaves the priority as it was.
     let result = unsafe {
-        let tid = libc::gettid();
-        libc::setpriority(libc::PRIO_PROCESS as _, tid as libc::id_t, GUEST_NICENESS)
+        let tid = libc::gettid() as libc::id_t;
+        *libc::__errno_location() = 0;
+        let current = libc::getpriority(libc::PRIO_PROCESS as _, tid);
+        if current == -1 && *libc::__errno_location() != 0 {
+            -1
+        } else {
+            let lowered = current.saturating_add(GUEST_NICENESS).min(19);
+            libc::setpriority(libc::PRIO_PROCESS as _, tid, lowered)
+        }
     };
     if result != 0 {
-        tracing::debug!("cannot lower the priority of a guest thread");
+        tracing::warn!(
+            error = %std::io::Error::last_os_error(),
+            "cannot lower the CPU priority of a guest thread; long guest calls compete with the host"
+        );
     }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn lower_this_threads_priority() {
+    tracing::warn!("guest threads keep the host's CPU priority on this platform");
 }
 
 /// Stops the spawned call when the caller stops waiting for it (its Step
