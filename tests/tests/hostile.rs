@@ -38,6 +38,7 @@ async fn each_tool_attack_fails_only_its_own_call_with_a_readable_recorded_error
         ("http_get", json!({"url": http_granted})),
         ("tcp_connect", json!({"addr": tcp_refused})),
         ("tcp_connect", json!({"addr": tcp_granted})),
+        ("handle_hoard", json!({})),
     ];
     // All at once, on one worker: each must fail (or pass) on its own.
     let runs = attacks.iter().enumerate().map(|(index, (tool, args))| {
@@ -93,6 +94,8 @@ async fn each_tool_attack_fails_only_its_own_call_with_a_readable_recorded_error
         "{:?}",
         ends[14]
     );
+    // Host-side handles are capped per call (4096 by default).
+    assert_tool_failed(&ends[15], "handle_hoard", "resource table has no free keys");
     assert_eq!(
         peers.http_refused.connections(),
         0,

@@ -141,6 +141,7 @@ impl Guest for HostileTool {
             spec("tcp_connect", "opens a TCP connection to {addr}"),
             spec("big_output", "returns {megabytes} MiB of text"),
             spec("event_flood", "writes events until stopped"),
+            spec("handle_hoard", "keeps creating host-side HTTP header maps"),
             spec("trap", "panics"),
         ]
     }
@@ -169,6 +170,16 @@ impl Guest for HostileTool {
                 let payload = format!("{{\"junk\":\"{}\"}}", "y".repeat(1000));
                 loop {
                     events::write_event("flood", &payload);
+                }
+            }
+            "handle_hoard" => {
+                // Each header map lives in host memory, outside this
+                // component's own memory limit.
+                let mut hoard = Vec::new();
+                loop {
+                    let fields = wasi::http::types::Fields::new();
+                    let _ = fields.append("x-hoard", &vec![b'h'; 900]);
+                    hoard.push(fields);
                 }
             }
             "trap" => panic!("hostile tool panics on purpose"),
