@@ -175,7 +175,7 @@ async fn inspect(args: InspectArgs) -> anyhow::Result<()> {
                 .map(|t| {
                     serde_json::json!({
                         "name": t.name, "description": t.description,
-                        "effect": t.effect.map(|e| format!("{e:?}")),
+                        "effect": t.effect.map(|e| crate::session::ToolEffect::from(e).as_str()),
                     })
                 })
                 .collect();
