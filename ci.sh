@@ -35,6 +35,22 @@ chromium --version
 step "guests: building every Rust guest to a wasm32-wasip2 component"
 guests/build.sh
 
+step "guests in Python (componentize-py, from PyPI) and JavaScript (componentize-js, from npm)"
+language_packages=()
+python3 -c 'import venv, ensurepip' 2>/dev/null || language_packages+=(python3 python3-venv)
+command -v npm >/dev/null || language_packages+=(nodejs npm)
+if [ ${#language_packages[@]} -gt 0 ]; then
+    if [ "$(id -u)" -ne 0 ]; then
+        echo "need root to install ${language_packages[*]}: sudo apt-get install -y ${language_packages[*]}"
+        exit 1
+    fi
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${language_packages[@]}" >/dev/null
+fi
+echo "$(python3 --version), node $(node --version), npm $(npm --version)"
+guests/python/build.sh
+guests/js/build.sh
+
 step "format"
 cargo fmt --all -- --check
 cargo fmt --manifest-path guests/Cargo.toml --all -- --check

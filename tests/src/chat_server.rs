@@ -32,6 +32,62 @@ pub fn openai_fixture(name: &str) -> String {
         .unwrap_or_else(|err| panic!("cannot read fixture {}: {err}", path.display()))
 }
 
+/// A streamed answer of `text` in OpenAI's chunk format, cut into words.
+pub fn text_transcript(text: &str, usage: (u64, u64)) -> String {
+    let mut chunks = vec![chunk(
+        serde_json::json!({"role": "assistant", "content": ""}),
+        None,
+    )];
+    for word in text.split_inclusive(' ') {
+        chunks.push(chunk(serde_json::json!({"content": word}), None));
+    }
+    chunks.push(chunk(serde_json::json!({}), Some("stop")));
+    transcript(chunks, usage)
+}
+
+/// A streamed answer that calls `calls` (id, tool name, arguments), each
+/// call's arguments split over two chunks.
+pub fn tool_calls_transcript(calls: &[(&str, &str, Value)], usage: (u64, u64)) -> String {
+    let mut chunks = vec![chunk(
+        serde_json::json!({"role": "assistant", "content": null}),
+        None,
+    )];
+    for (index, (id, name, arguments)) in calls.iter().enumerate() {
+        let arguments = arguments.to_string();
+        let (head, tail) = arguments.split_at(arguments.len() / 2);
+        chunks.push(chunk(
+            serde_json::json!({"tool_calls": [{"index": index, "id": id, "type": "function",
+                "function": {"name": name, "arguments": head}}]}),
+            None,
+        ));
+        chunks.push(chunk(
+            serde_json::json!({"tool_calls": [{"index": index, "function": {"arguments": tail}}]}),
+            None,
+        ));
+    }
+    chunks.push(chunk(serde_json::json!({}), Some("tool_calls")));
+    transcript(chunks, usage)
+}
+
+fn chunk(delta: Value, finish_reason: Option<&str>) -> Value {
+    serde_json::json!({
+        "id": "chatcmpl-kit", "object": "chat.completion.chunk", "created": 1764460001,
+        "model": "gpt-4o-mini", "usage": null,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
+    })
+}
+
+fn transcript(mut chunks: Vec<Value>, (input, output): (u64, u64)) -> String {
+    chunks.push(serde_json::json!({
+        "id": "chatcmpl-kit", "object": "chat.completion.chunk", "created": 1764460001,
+        "model": "gpt-4o-mini", "choices": [],
+        "usage": {"prompt_tokens": input, "completion_tokens": output, "total_tokens": input + output},
+    }));
+    let mut text: String = chunks.iter().map(|c| format!("data: {c}\n\n")).collect();
+    text.push_str("data: [DONE]\n\n");
+    text
+}
+
 /// What the server answers to one request.
 #[derive(Clone, Debug)]
 pub enum Reply {

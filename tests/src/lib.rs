@@ -9,6 +9,7 @@ pub mod api_server;
 pub mod chat_server;
 pub mod hostile;
 pub mod kit;
+pub mod languages;
 pub mod session;
 pub mod toy;
 

@@ -248,4 +248,6 @@ fn dexa_component_inspect_lists_tools_with_their_effects() {
         .unwrap_or_else(|| panic!("no echo tool in {described}"));
     assert_eq!(echo["effect"], "read");
     assert_eq!(described["world"], "dex:agents/tool@0.1.0");
+    // A Rust guest exports its world and nothing else.
+    assert_eq!(described["extra_exports"], serde_json::json!([]));
 }

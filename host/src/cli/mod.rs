@@ -164,6 +164,7 @@ async fn inspect(args: InspectArgs) -> anyhow::Result<()> {
             serde_json::json!({
                 "name": info.name, "world": info.world.name(), "sha256": info.sha256,
                 "cache": format!("{:?}", info.cache).to_lowercase(),
+                "extra_exports": info.extra_exports,
             })
         }
         WorldArg::Tool => {
@@ -182,6 +183,7 @@ async fn inspect(args: InspectArgs) -> anyhow::Result<()> {
             serde_json::json!({
                 "name": info.name, "world": info.world.name(), "sha256": info.sha256,
                 "cache": format!("{:?}", info.cache).to_lowercase(), "tools": tools,
+                "extra_exports": info.extra_exports,
             })
         }
     };

@@ -94,6 +94,10 @@ pub struct ComponentInfo {
     pub world: World,
     /// Whether this load compiled the component or took it from the cache.
     pub cache: CacheOutcome,
+    /// Exports beyond the world's, which the host never calls: toolchains
+    /// add their own (componentize-py exports an `exports` interface with
+    /// `init`). Shown by `dexa component inspect`.
+    pub extra_exports: Vec<String>,
 }
 
 struct Compiled {
@@ -133,7 +137,10 @@ impl SandboxEngine {
             name: name.clone(),
             reason,
         })?;
-        self.check_exports(world, &name, &component)?;
+        let extra_exports = self.check_exports(world, &name, &component)?;
+        if !extra_exports.is_empty() {
+            tracing::debug!(component = %name, extra = ?extra_exports, "exports the host does not call");
+        }
         Ok(Compiled {
             component,
             info: ComponentInfo {
@@ -141,17 +148,19 @@ impl SandboxEngine {
                 sha256,
                 world,
                 cache,
+                extra_exports,
             },
         })
     }
 
     /// Names the missing exports, which says more than a failed type lookup.
+    /// Returns the exports beyond the world's: they are allowed and ignored.
     fn check_exports(
         &self,
         world: World,
         name: &str,
         component: &Component,
-    ) -> Result<(), LoadError> {
+    ) -> Result<Vec<String>, LoadError> {
         let exported: Vec<String> = component
             .component_type()
             .exports(self.engine())
@@ -164,7 +173,11 @@ impl SandboxEngine {
             .filter(|required| !exported.iter().any(|e| e == required))
             .collect();
         if missing.is_empty() {
-            return Ok(());
+            let required = world.required_exports();
+            return Ok(exported
+                .into_iter()
+                .filter(|e| !required.contains(&e.as_str()))
+                .collect());
         }
         let quote = |names: Vec<String>| {
             if names.is_empty() {

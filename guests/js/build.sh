@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Builds the JavaScript guests with componentize-js into target/guests/:
+#   guests/js/tool/tool.js         -> js-tool.wasm          (world `tool`)
+#   guests/js/hostile-tool/tool.js -> js-hostile-tool.wasm  (attacks, for tests)
+#
+# componentize-js is pinned in package-lock.json and installed with `npm ci`
+# on first use. `-d http fetch-event` leaves wasi:http out of the component,
+# since a tool reaches the network only through a grant anyway. A component
+# whose sources, WIT and toolchain are older than its .wasm is not rebuilt
+# (builds are not byte-identical, and a new .wasm makes the host compile it
+# again). `--force` rebuilds anyway.
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+out="$root/target/guests"
+force=0
+[ "${1:-}" = "--force" ] && force=1
+
+log() { printf '[js guests] %s\n' "$*" >&2; }
+
+command -v npm >/dev/null || { log "node and npm are missing (Node.js 18 or later)"; exit 1; }
+cli="$here/node_modules/@bytecodealliance/componentize-js/src/cli.js"
+if [ ! -f "$cli" ] || [ "$here/package-lock.json" -nt "$here/node_modules/.package-lock.json" ]; then
+    log "installing componentize-js from package-lock.json (npm ci)"
+    (cd "$here" && npm ci --no-audit --no-fund --loglevel=error)
+fi
+log "componentize-js $(node "$cli" --version)"
+mkdir -p "$out"
+
+build() { # <source file> <world> <output name>
+    local src="$here/$1" world=$2 wasm="$out/$3.wasm"
+    if [ $force -eq 0 ] && [ -f "$wasm" ] \
+        && [ -z "$(find "$src" "$root/wit" "$here/package-lock.json" -newer "$wasm" -type f | head -1)" ]; then
+        log "$3: up to date"
+        return
+    fi
+    local started=$SECONDS
+    rm -f "$wasm.tmp"
+    # The source comes first: -d takes every word up to the next option.
+    node "$cli" "$src" --wit "$root/wit" --world-name "$world" -d http fetch-event -o "$wasm.tmp"
+    # componentize-js prints nothing on success; check that it wrote the file.
+    [ -s "$wasm.tmp" ] || { log "$3: componentize-js wrote no component"; exit 1; }
+    mv "$wasm.tmp" "$wasm"
+    log "$3: built in $((SECONDS - started)) s, $(stat -c %s "$wasm") bytes"
+}
+
+build tool/tool.js tool js-tool
+build hostile-tool/tool.js tool js-hostile-tool

@@ -1,0 +1,168 @@
+"""`py-runner`: the plain agent loop as a runner component, in Python
+(componentize-py). It behaves like the Rust `chat-runner`:
+
+- each `run_model_step` sends the conversation and the session's tools to the
+  host's model (`model.complete`);
+- tool calls in the answer become deferred tool calls, each its own durable
+  Step on the host; the next step sends their outcomes back to the model;
+- an answer without tool calls ends the turn.
+
+Config keys: `system_prompt`, `temperature`, `max_output_tokens`.
+
+Each stored message's `framework_item` is the model message as JSON, so later
+turns replay the conversation exactly, tool calls included. What the runner
+needs between the model calls of one turn travels in the run state; nothing
+is kept in the instance, which the host drops after every call.
+"""
+
+import json
+from typing import List, Optional
+
+import wit_world
+from componentize_py_types import Err
+from wit_world.imports import config, model, policy, types
+
+ROLE_NAMES = {
+    types.MessageRole.SYSTEM: "system",
+    types.MessageRole.USER: "user",
+    types.MessageRole.ASSISTANT: "assistant",
+    types.MessageRole.TOOL: "tool",
+}
+ROLES = {name: role for role, name in ROLE_NAMES.items()}
+
+
+def item(role: str, content: Optional[str], tool_calls=None, tool_call_id=None) -> dict:
+    """A model message as JSON: the runner's framework item."""
+    out = {"role": role, "content": content}
+    if tool_calls:
+        out["tool_calls"] = tool_calls
+    if tool_call_id is not None:
+        out["tool_call_id"] = tool_call_id
+    return out
+
+
+def stored_item(message: types.AgentMessage) -> dict:
+    """A stored message back as an item. Messages the host wrote (such as the
+    turn-failure note) came from `build_user_message` too; anything that does
+    not parse is taken by its role and text."""
+    try:
+        parsed = json.loads(message.framework_item)
+        if isinstance(parsed, dict) and parsed.get("role") in ROLES:
+            return parsed
+    except ValueError:
+        pass
+    return item(ROLE_NAMES[message.role], message.text)
+
+
+def to_model(it: dict) -> types.ModelMessage:
+    calls = [
+        types.ModelToolCall(c["id"], c["name"], c["arguments"])
+        for c in it.get("tool_calls") or []
+    ]
+    return types.ModelMessage(
+        ROLES.get(it["role"], types.MessageRole.USER),
+        it.get("content"),
+        calls,
+        it.get("tool_call_id"),
+    )
+
+
+def framework_message(it: dict) -> types.FrameworkMessage:
+    return types.FrameworkMessage(
+        ROLES.get(it["role"], types.MessageRole.USER), json.dumps(it), it.get("content")
+    )
+
+
+def optional_number(key: str, kind):
+    value = config.get(key)
+    if value is None:
+        return None
+    try:
+        return kind(value)
+    except ValueError:
+        return None
+
+
+def describe_model_error(error) -> str:
+    """`ModelError_Transient("...")` as `transient: ...`."""
+    case = type(error).__name__.split("_", 1)[-1].lower()
+    detail = getattr(error, "value", None)
+    return f"{case}: {detail}" if detail else case
+
+
+class WitWorld(wit_world.WitWorld):
+    def build_user_message(self, text: str) -> types.FrameworkMessage:
+        return framework_message(item("user", text))
+
+    def run_model_step(self, turn: types.TurnContext) -> types.TurnOutcome:
+        # result<turn-outcome, string>: `raise Err("...")` fails the attempt,
+        # and the host retries RunModel (3 attempts in all).
+        state = {"items": [], "pending": []}
+        if turn.framework_run_state is not None:
+            try:
+                state = json.loads(turn.framework_run_state)
+            except ValueError as err:
+                raise Err(f"run state is not py-runner's: {err}")
+        records = {r.tool_call_id: r for r in turn.tool_calls}
+        for call_id in state["pending"]:
+            record = records.get(call_id)
+            if record is None:
+                raise Err(f"no record for tool call {call_id!r}")
+            outcome = policy.describe_tool_call_outcome(record)
+            state["items"].append(item("tool", outcome, tool_call_id=call_id))
+        state["pending"] = []
+
+        messages: List[types.ModelMessage] = []
+        prompt = config.get("system_prompt")
+        if prompt and prompt.strip():
+            messages.append(types.ModelMessage(types.MessageRole.SYSTEM, prompt, [], None))
+        messages.extend(to_model(stored_item(m)) for m in turn.messages)
+        messages.extend(to_model(it) for it in state["items"])
+        request = types.ModelRequest(
+            messages,
+            turn.tools,
+            optional_number("temperature", float),
+            optional_number("max_output_tokens", int),
+        )
+        try:
+            response = model.complete(request)
+        except Err as err:
+            raise Err(f"the model call failed: {describe_model_error(err.value)}")
+
+        calls = [
+            {"id": c.id, "name": c.name, "arguments": c.arguments}
+            for c in response.message.tool_calls
+        ]
+        answer = item("assistant", response.message.content, tool_calls=calls)
+        state["items"].append(answer)
+        if not calls:
+            return types.TurnOutcome_Completed(
+                types.TurnCompleted(
+                    [framework_message(it) for it in state["items"]], response.usage
+                )
+            )
+
+        effects = {t.name: t.effect for t in turn.tools}
+        deferred = [
+            types.DeferredToolCall(
+                c["id"],
+                c["name"],
+                c["arguments"],
+                # The tool's declared effect is the framework's effect; the
+                # operator's explicit policy still wins in the host.
+                policy.resolve_tool_policy(c["name"], effects.get(c["name"])),
+            )
+            for c in calls
+        ]
+        state["pending"] = [c["id"] for c in calls]
+        return types.TurnOutcome_ToolCallsRequested(
+            types.ToolCallsRequested(json.dumps(state), deferred, response.usage)
+        )
+
+    def execute_deferred_tool_call(self, call: types.DeferredToolExecution) -> str:
+        raise Err(
+            types.ToolError_Execution(
+                f"no tool component serves {call.tool_call.tool_name!r}, "
+                "and py-runner runs no tools itself"
+            )
+        )
