@@ -25,7 +25,9 @@ if [ ! -f "$cli" ] || [ "$here/package-lock.json" -nt "$here/node_modules/.packa
     log "installing componentize-js from package-lock.json (npm ci)"
     (cd "$here" && npm ci --no-audit --no-fund --loglevel=error)
 fi
-log "componentize-js $(node "$cli" --version)"
+version=$(node "$cli" --version) \
+    || { log "componentize-js does not start; reinstall it: rm -rf $here/node_modules"; exit 1; }
+log "componentize-js $version"
 mkdir -p "$out"
 
 build() { # <source file> <world> <output name>

@@ -28,7 +28,9 @@ if [ ! -x "$venv/bin/componentize-py" ] || [ "$here/requirements.txt" -nt "$venv
     "$venv/bin/pip" install --quiet --disable-pip-version-check -r "$here/requirements.txt"
     touch "$venv/.installed"
 fi
-log "$("$venv/bin/componentize-py" --version)"
+version=$("$venv/bin/componentize-py" --version) \
+    || { log "componentize-py does not start; reinstall it: rm -rf $venv"; exit 1; }
+log "$version"
 mkdir -p "$out"
 
 # The app's directory and the toolchain's own virtualenv make the Python path,

@@ -23,12 +23,10 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use criterion::Criterion;
-use dexa::plugin::wit::{
-    DeferredToolExecution, ToolCallRecord, ToolCallStatus, ToolEffect, ToolPolicy,
-};
-use dexa::plugin::{
-    CallEnv, ComponentSettings, SandboxConfig, SandboxEngine, StepTag, ToolComponent,
-};
+use dexa::plugin::wit::DeferredToolExecution;
+use dexa::plugin::{ComponentSettings, SandboxConfig, SandboxEngine, ToolComponent};
+
+mod common;
 
 struct Language {
     label: &'static str,
@@ -85,41 +83,9 @@ fn engine(cache_dir: PathBuf) -> SandboxEngine {
     .expect("engine")
 }
 
-fn env() -> CallEnv {
-    CallEnv::new(StepTag {
-        flow_id: "bench".into(),
-        turn_id: "turn-1".into(),
-        step_execution_id: "step".into(),
-        attempt: 1,
-    })
-}
-
-fn echo_call(tool: &str) -> DeferredToolExecution {
-    DeferredToolExecution {
-        flow_id: "bench".into(),
-        turn_id: "turn-1".into(),
-        tool_call: ToolCallRecord {
-            tool_call_id: "c1".into(),
-            tool_name: tool.into(),
-            arguments: ARGUMENTS.into(),
-            policy: ToolPolicy {
-                effect: ToolEffect::Read,
-                requires_approval: false,
-            },
-            status: ToolCallStatus::Approved,
-            output: None,
-            error: None,
-            rejection_message: None,
-            deferral_order: 0,
-        },
-        idempotency_key: "bench/turn-1/c1".into(),
-        attempt: 1,
-    }
-}
-
 fn call_once(rt: &tokio::runtime::Runtime, tool: &ToolComponent, call: &DeferredToolExecution) {
     let output = rt
-        .block_on(tool.call(env(), call))
+        .block_on(tool.call(common::env(), call))
         .expect("call")
         .expect("output");
     assert_eq!(output, ARGUMENTS);
@@ -160,7 +126,7 @@ fn main() {
     let mut report = Vec::new();
     for language in &LANGUAGES {
         let wasm = wasm(language);
-        let call = echo_call(language.tool);
+        let call = common::tool_call(language.tool, ARGUMENTS);
         // A cold cache of its own when benchmarking; the tests' shared cache
         // in a smoke run, where a debug build compiles for tens of seconds.
         let scratch = tempfile::tempdir().expect("temp dir");

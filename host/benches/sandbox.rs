@@ -12,14 +12,12 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, BatchSize, Criterion};
-use dexa::plugin::wit::{
-    AgentMessage, DeferredToolExecution, MessageRole, ToolCallRecord, ToolCallStatus, ToolEffect,
-    ToolPolicy, TurnContext,
-};
+use dexa::plugin::wit::{AgentMessage, DeferredToolExecution, MessageRole, TurnContext};
 use dexa::plugin::{
-    CallEnv, ComponentSettings, RunnerComponent, SandboxConfig, SandboxEngine, StepTag,
-    ToolComponent,
+    ComponentSettings, RunnerComponent, SandboxConfig, SandboxEngine, ToolComponent,
 };
+
+mod common;
 
 fn guest(name: &str) -> Vec<u8> {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -33,36 +31,8 @@ fn guest(name: &str) -> Vec<u8> {
     })
 }
 
-fn env() -> CallEnv {
-    CallEnv::new(StepTag {
-        flow_id: "bench".into(),
-        turn_id: "turn-1".into(),
-        step_execution_id: "step".into(),
-        attempt: 1,
-    })
-}
-
 fn echo_call() -> DeferredToolExecution {
-    DeferredToolExecution {
-        flow_id: "bench".into(),
-        turn_id: "turn-1".into(),
-        tool_call: ToolCallRecord {
-            tool_call_id: "c1".into(),
-            tool_name: "echo".into(),
-            arguments: r#"{"q":"hello"}"#.into(),
-            policy: ToolPolicy {
-                effect: ToolEffect::Read,
-                requires_approval: false,
-            },
-            status: ToolCallStatus::Approved,
-            output: None,
-            error: None,
-            rejection_message: None,
-            deferral_order: 0,
-        },
-        idempotency_key: "bench/turn-1/c1".into(),
-        attempt: 1,
-    }
+    common::tool_call("echo", r#"{"q":"hello"}"#)
 }
 
 fn turn_of_50_messages() -> TurnContext {
@@ -146,7 +116,7 @@ impl Fixture {
 
     fn echo(rt: &tokio::runtime::Runtime, tool: &ToolComponent, call: &DeferredToolExecution) {
         let output = rt
-            .block_on(tool.call(env(), call))
+            .block_on(tool.call(common::env(), call))
             .expect("call")
             .expect("output");
         assert_eq!(output.len(), 13);
@@ -157,7 +127,7 @@ impl Fixture {
     fn run_model_step_once(&self, turn: TurnContext) {
         let outcome = self
             .rt
-            .block_on(self.runner.run_model_step(env(), turn))
+            .block_on(self.runner.run_model_step(common::env(), turn))
             .expect("call");
         assert!(outcome.is_ok(), "{outcome:?}");
     }

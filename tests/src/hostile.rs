@@ -15,10 +15,11 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use dexa::session::AgentSessionClient;
+use dexa::flow::{history, FlowStatus, StepHistoryEntry};
+use dexa::session::{step, AgentSessionClient};
 use serde_json::json;
 
-use crate::kit::{wait_for_turns, AgentTestStack};
+use crate::kit::{wait_for_agent_snapshot, wait_for_turns, AgentTestStack};
 use crate::session::last_text;
 use crate::{guest_wasm, repo_root};
 
@@ -264,4 +265,108 @@ pub async fn next_turn(
         text: last_text(&snapshot).unwrap_or_default(),
         error: snapshot.state.and_then(|s| s.last_turn_error),
     }
+}
+
+/// Plays each runner attack as the first turn of its own session (named
+/// after it), all at once: each turn must fail with its expected error, and
+/// each session must then answer `hello` with `ok: hello`.
+pub async fn assert_runner_attacks_fail_their_turns(
+    sessions: &AgentSessionClient,
+    failing: &[(&str, &str)],
+) {
+    let runs = failing.iter().map(|(attack, _)| {
+        let sessions = sessions.clone();
+        async move {
+            let first = first_turn(&sessions, attack, attack).await;
+            // The session waits for the next message and answers it.
+            let second = next_turn(&sessions, attack, 2, "hello").await;
+            (first, second)
+        }
+    });
+    let results = futures_util::future::join_all(runs).await;
+    for ((attack, expected), (first, second)) in failing.iter().zip(&results) {
+        let error = first
+            .error
+            .as_deref()
+            .unwrap_or_else(|| panic!("{attack}: the turn should fail, it ended with {first:?}"));
+        assert!(
+            error.contains(expected),
+            "{attack}: last_turn_error should mention {expected:?}: {error}"
+        );
+        assert_eq!(second.text, "ok: hello", "{attack}: the next turn works");
+        assert_eq!(second.error, None);
+    }
+}
+
+/// The spec's route for a Step that keeps failing: `step_type`'s first
+/// three history entries are two failed attempts and a final failure, each
+/// with a recorded error, and the failure route `route` ran.
+pub fn assert_three_failed_attempts_then(
+    history: &[StepHistoryEntry],
+    step_type: &str,
+    route: &str,
+) {
+    let attempts: Vec<&StepHistoryEntry> = history
+        .iter()
+        .filter(|e| e.step_type == step_type)
+        .take(3)
+        .collect();
+    assert_eq!(
+        attempts
+            .iter()
+            .map(|e| e.event_type.as_str())
+            .collect::<Vec<_>>(),
+        [
+            history::ATTEMPT_FAILED,
+            history::ATTEMPT_FAILED,
+            history::EXECUTE_FAILED
+        ],
+        "{history:?}"
+    );
+    assert!(
+        attempts
+            .iter()
+            .all(|e| e.detail.as_deref().is_some_and(|d| !d.is_empty())),
+        "each attempt's error is recorded: {history:?}"
+    );
+    assert!(
+        history.iter().any(|e| e.step_type == route),
+        "{route} ran: {history:?}"
+    );
+}
+
+/// A runner whose `build-user-message` traps on the message `trap-build`:
+/// AwaitUserMessage has no failure route, so after its attempts the session
+/// fails, with `expected` in the failed Step's recorded error.
+pub async fn assert_a_trap_in_build_user_message_fails_the_session(
+    stack: &AgentTestStack,
+    sessions: &AgentSessionClient,
+    expected: &str,
+) {
+    sessions
+        .start_session("trap-build", "")
+        .await
+        .expect("start");
+    wait_for_turns(sessions, "trap-build", 0).await;
+    assert!(sessions
+        .send_user_message("trap-build", "trap-build")
+        .await
+        .expect("send"));
+    wait_for_agent_snapshot(sessions, "trap-build", "the session to fail", |s| {
+        (s.flow_status == FlowStatus::Failed).then_some(())
+    })
+    .await;
+    let history = stack.read_step_history("trap-build").await;
+    let failed = history
+        .iter()
+        .find(|e| e.event_type == history::EXECUTE_FAILED)
+        .unwrap_or_else(|| panic!("no failed Step in {history:?}"));
+    assert_eq!(failed.step_type, step::AWAIT_USER_MESSAGE);
+    assert!(
+        failed
+            .detail
+            .as_deref()
+            .is_some_and(|d| d.contains(expected)),
+        "{failed:?}"
+    );
 }

@@ -441,3 +441,24 @@ impl InvocationLog {
         .await
     }
 }
+
+/// What the host says of a component: `dexa component inspect --world
+/// <world> <wasm>` on the tests' component cache, as JSON.
+pub fn inspect_component(world: &str, wasm: &Path) -> Value {
+    let output = Command::new(dexa_binary())
+        .args(["component", "inspect", "--world", world])
+        .arg(wasm)
+        .arg("--cache-dir")
+        .arg(repo_root().join("target").join("test-component-cache"))
+        .output()
+        .unwrap_or_else(|err| panic!("run {}: {err}", dexa_binary().display()));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "dexa component inspect {}: {stdout}\n{}",
+        wasm.display(),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_str(&stdout)
+        .unwrap_or_else(|err| panic!("inspect printed no JSON ({err}): {stdout}"))
+}

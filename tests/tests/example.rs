@@ -228,20 +228,8 @@ async fn two_environment_variables_switch_the_example_to_an_openai_model() {
 /// terms: effects as `read`, not as Rust names.
 #[test]
 fn dexa_component_inspect_lists_tools_with_their_effects() {
-    let output = std::process::Command::new(dexa_tests::kit::dexa_binary())
-        .args(["component", "inspect", "--world", "tool"])
-        .arg(guests_dir().join("echo-tool.wasm"))
-        .arg("--cache-dir")
-        .arg(repo_root().join("target").join("test-component-cache"))
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let described: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let described =
+        dexa_tests::kit::inspect_component("tool", &guests_dir().join("echo-tool.wasm"));
     let echo = described["tools"]
         .as_array()
         .and_then(|tools| tools.iter().find(|t| t["name"] == "echo"))

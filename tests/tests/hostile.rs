@@ -6,9 +6,9 @@
 
 use std::time::Duration;
 
-use dexa::flow::{history, FlowStatus};
+use dexa::session::step;
 use dexa_tests::hostile::*;
-use dexa_tests::kit::{wait_for_agent_snapshot, wait_for_turns, AgentTestStack};
+use dexa_tests::kit::{wait_for_turns, AgentTestStack};
 use dexa_tests::session::last_text;
 use dexa_tests::{guest_wasm, repo_root};
 use serde_json::json;
@@ -112,27 +112,11 @@ async fn each_tool_attack_fails_only_its_own_call_with_a_readable_recorded_error
     // A Step failure takes the spec's route: three attempts, then
     // RecordToolFailure, each attempt's error in the history.
     let history = stack.read_step_history("t0").await;
-    let attempts: Vec<_> = history
-        .iter()
-        .filter(|e| e.step_type == "CallTool")
-        .map(|e| (e.event_type.as_str(), e.detail.clone().unwrap_or_default()))
-        .collect();
-    assert_eq!(
-        attempts.iter().map(|(event, _)| *event).collect::<Vec<_>>(),
-        vec![
-            history::ATTEMPT_FAILED,
-            history::ATTEMPT_FAILED,
-            history::EXECUTE_FAILED
-        ],
-        "{history:?}"
-    );
-    for (_, detail) in &attempts {
-        assert!(
-            detail.contains("`call` ran past its deadline"),
-            "each attempt's error is recorded: {detail}"
-        );
+    assert_three_failed_attempts_then(&history, step::CALL_TOOL, step::RECORD_TOOL_FAILURE);
+    for entry in history.iter().filter(|e| e.step_type == step::CALL_TOOL) {
+        let detail = entry.detail.as_deref().unwrap_or_default();
+        assert!(detail.contains("`call` ran past its deadline"), "{detail}");
     }
-    assert!(history.iter().any(|e| e.step_type == "RecordToolFailure"));
 
     // The worker that ran every attack is still serving.
     let healthy = stack.sessions("Healthy");
@@ -163,46 +147,11 @@ async fn each_runner_attack_fails_its_turn_by_the_spec_route_and_the_session_goe
         ),
         ("slash-ids", "tool call id \"a/b\" contains '/'"),
     ];
-    let runs = failing.iter().map(|(attack, _)| {
-        let sessions = sessions.clone();
-        async move {
-            let first = first_turn(&sessions, attack, attack).await;
-            // The session waits for the next message and answers it.
-            let second = next_turn(&sessions, attack, 2, "hello").await;
-            (first, second)
-        }
-    });
-    let results = futures_util::future::join_all(runs).await;
-    for ((attack, expected), (first, second)) in failing.iter().zip(&results) {
-        let error = first
-            .error
-            .as_deref()
-            .unwrap_or_else(|| panic!("{attack}: the turn should fail, it ended with {first:?}"));
-        assert!(
-            error.contains(expected),
-            "{attack}: last_turn_error should mention {expected:?}: {error}"
-        );
-        assert_eq!(second.text, "ok: hello", "{attack}: the next turn works");
-        assert_eq!(second.error, None);
-    }
+    assert_runner_attacks_fail_their_turns(&sessions, &failing).await;
 
     // A trapping RunModel is retried three times, then RecordTurnFailure.
     let history = stack.read_step_history("trap-model").await;
-    let model_events: Vec<&str> = history
-        .iter()
-        .filter(|e| e.step_type == "RunModel")
-        .map(|e| e.event_type.as_str())
-        .collect();
-    assert_eq!(
-        &model_events[..3],
-        &[
-            history::ATTEMPT_FAILED,
-            history::ATTEMPT_FAILED,
-            history::EXECUTE_FAILED
-        ],
-        "{history:?}"
-    );
-    assert!(history.iter().any(|e| e.step_type == "RecordTurnFailure"));
+    assert_three_failed_attempts_then(&history, step::RUN_MODEL, step::RECORD_TURN_FAILURE);
 
     // A trap in execute-deferred-tool-call fails that tool call only.
     let end = first_turn(&sessions, "trap-deferred", "trap-deferred").await;
@@ -217,34 +166,13 @@ async fn each_runner_attack_fails_its_turn_by_the_spec_route_and_the_session_goe
     assert!(end.text.starts_with("env: []; root: Err("), "{}", end.text);
     assert!(!end.text.contains(MODEL_KEY));
 
-    // A trap in build-user-message: AwaitUserMessage has no failure route, so
-    // after its attempts the session fails, with the error in its history.
-    sessions
-        .start_session("trap-build", "")
-        .await
-        .expect("start");
-    wait_for_turns(&sessions, "trap-build", 0).await;
-    assert!(sessions
-        .send_user_message("trap-build", "trap-build")
-        .await
-        .expect("send"));
-    wait_for_agent_snapshot(&sessions, "trap-build", "the session to fail", |s| {
-        (s.flow_status == FlowStatus::Failed).then_some(())
-    })
+    // A trap in build-user-message fails the session (no failure route).
+    assert_a_trap_in_build_user_message_fails_the_session(
+        &stack,
+        &sessions,
+        "hostile build-user-message traps on purpose",
+    )
     .await;
-    let history = stack.read_step_history("trap-build").await;
-    let failed = history
-        .iter()
-        .find(|e| e.event_type == history::EXECUTE_FAILED)
-        .unwrap_or_else(|| panic!("no failed Step in {history:?}"));
-    assert_eq!(failed.step_type, "AwaitUserMessage");
-    assert!(
-        failed
-            .detail
-            .as_deref()
-            .is_some_and(|d| d.contains("hostile build-user-message traps on purpose")),
-        "{failed:?}"
-    );
 
     // Other sessions of the same agent, on the same worker, are untouched.
     let end = first_turn(&sessions, "still-fine", "hello").await;

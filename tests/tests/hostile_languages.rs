@@ -5,12 +5,13 @@
 //! exception included), the session must follow the spec's failure route,
 //! and the worker must go on serving.
 
-use dexa::flow::{history, FlowStatus};
 use dexa::session::{step, AgentSessionClient, MessageRole};
 use dexa_tests::hostile::{
-    first_turn, next_turn, Peers, GRANTED_VAR, SECRET_FILE_TEXT, SECRET_VALUE, SECRET_VAR,
+    assert_a_trap_in_build_user_message_fails_the_session, assert_runner_attacks_fail_their_turns,
+    assert_three_failed_attempts_then, first_turn, Peers, GRANTED_VAR, SECRET_FILE_TEXT,
+    SECRET_VALUE, SECRET_VAR,
 };
-use dexa_tests::kit::{wait_for_agent_snapshot, wait_for_turns, AgentTestStack};
+use dexa_tests::kit::AgentTestStack;
 use dexa_tests::languages::{
     precompile_language_guests, JS_HOSTILE_TOOL, PYTHON_HOSTILE_RUNNER, PYTHON_HOSTILE_TOOL,
 };
@@ -227,32 +228,14 @@ async fn each_python_and_javascript_tool_attack_fails_only_its_own_call() {
     // A trap is a failed attempt: three of them, then RecordToolFailure,
     // each attempt's error (the Python traceback) in the history.
     let history = stack.read_step_history("t11").await;
-    let attempts: Vec<_> = history
-        .iter()
-        .filter(|e| e.step_type == step::CALL_TOOL)
-        .collect();
-    assert_eq!(
-        attempts
-            .iter()
-            .map(|e| e.event_type.as_str())
-            .collect::<Vec<_>>(),
-        [
-            history::ATTEMPT_FAILED,
-            history::ATTEMPT_FAILED,
-            history::EXECUTE_FAILED
-        ],
-        "{history:?}"
-    );
-    for entry in &attempts {
+    assert_three_failed_attempts_then(&history, step::CALL_TOOL, step::RECORD_TOOL_FAILURE);
+    for entry in history.iter().filter(|e| e.step_type == step::CALL_TOOL) {
         let detail = entry.detail.as_deref().unwrap_or_default();
         assert!(
             detail.contains("Traceback (most recent call last)"),
             "{detail}"
         );
     }
-    assert!(history
-        .iter()
-        .any(|e| e.step_type == step::RECORD_TOOL_FAILURE));
 
     // The interpreters' endless loops stop at the deadline.
     let (py_spin, js_spin) = (stack.sessions("PySpin"), stack.sessions("JsSpin"));
@@ -293,73 +276,24 @@ async fn each_python_runner_attack_fails_its_turn_by_the_spec_route_and_the_sess
             "big-run-state",
             "framework run state is 4194304 bytes, over the limit of 1048576 bytes",
         ),
-        ("spin", "`run-model-step` ran past its deadline of 2s"),
     ];
-    for (attack, expected) in failing {
-        let first = first_turn(&sessions, attack, attack).await;
-        let error = first
-            .error
-            .as_deref()
-            .unwrap_or_else(|| panic!("{attack}: the turn should fail, it ended with {first:?}"));
-        assert!(
-            error.contains(expected),
-            "{attack}: last_turn_error should mention {expected:?}: {error}"
-        );
-        // The session waits for the next message and answers it.
-        let second = next_turn(&sessions, attack, 2, "hello").await;
-        assert_eq!(second.text, "ok: hello", "{attack}: the next turn works");
-        assert_eq!(second.error, None);
-    }
+    assert_runner_attacks_fail_their_turns(&sessions, &failing).await;
+    // The endless loop alone, so that it starves no other attack.
+    let spin = [("spin", "`run-model-step` ran past its deadline of 2s")];
+    assert_runner_attacks_fail_their_turns(&sessions, &spin).await;
 
     // A raising run_model_step is retried three times, then RecordTurnFailure.
     let history = stack.read_step_history("trap-model").await;
-    let model_events: Vec<&str> = history
-        .iter()
-        .filter(|e| e.step_type == step::RUN_MODEL)
-        .map(|e| e.event_type.as_str())
-        .collect();
-    assert_eq!(
-        &model_events[..3],
-        &[
-            history::ATTEMPT_FAILED,
-            history::ATTEMPT_FAILED,
-            history::EXECUTE_FAILED
-        ],
-        "{history:?}"
-    );
-    assert!(history
-        .iter()
-        .any(|e| e.step_type == step::RECORD_TURN_FAILURE));
+    assert_three_failed_attempts_then(&history, step::RUN_MODEL, step::RECORD_TURN_FAILURE);
 
-    // A raising build_user_message: AwaitUserMessage has no failure route, so
-    // after its attempts the session fails, with the traceback in its history.
-    sessions
-        .start_session("trap-build", "")
-        .await
-        .expect("start");
-    wait_for_turns(&sessions, "trap-build", 0).await;
-    assert!(sessions
-        .send_user_message("trap-build", "trap-build")
-        .await
-        .expect("send"));
-    wait_for_agent_snapshot(&sessions, "trap-build", "the session to fail", |s| {
-        (s.flow_status == FlowStatus::Failed).then_some(())
-    })
+    // A raising build_user_message fails the session (no failure route),
+    // with the traceback in its history.
+    assert_a_trap_in_build_user_message_fails_the_session(
+        &stack,
+        &sessions,
+        "RuntimeError: py-hostile-runner build_user_message raises on purpose",
+    )
     .await;
-    let history = stack.read_step_history("trap-build").await;
-    let failed = history
-        .iter()
-        .find(|e| e.event_type == history::EXECUTE_FAILED)
-        .unwrap_or_else(|| panic!("no failed Step in {history:?}"));
-    assert_eq!(failed.step_type, step::AWAIT_USER_MESSAGE);
-    assert!(
-        failed
-            .detail
-            .as_deref()
-            .is_some_and(|d| d
-                .contains("RuntimeError: py-hostile-runner build_user_message raises on purpose")),
-        "{failed:?}"
-    );
 
     // Other sessions of the same agent, on the same worker, are untouched.
     let end = first_turn(&sessions, "still-fine", "hello").await;

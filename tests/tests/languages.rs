@@ -14,7 +14,7 @@ use dexa::flow::history;
 use dexa::plugin::World;
 use dexa::session::{event_type, step, AgentSnapshot, MessageRole};
 use dexa_tests::chat_server::{text_transcript, tool_calls_transcript, ReplayChatServer, Reply};
-use dexa_tests::kit::{dexa_binary, wait_for_turns, AgentTestStack, KitAgent};
+use dexa_tests::kit::{dexa_binary, inspect_component, wait_for_turns, AgentTestStack, KitAgent};
 use dexa_tests::languages::{
     precompile_language_guests, LanguageGuest, JS_TOOL, LANGUAGE_GUESTS, PYTHON_RUNNER, PYTHON_TOOL,
 };
@@ -419,20 +419,7 @@ fn the_host_loads_components_whose_toolchain_adds_exports_of_its_own() {
         };
         assert_eq!(info.extra_exports, expected, "{}", guest.guest);
     }
-    let output = std::process::Command::new(dexa_binary())
-        .args(["component", "inspect", "--world", "runner"])
-        .arg(PYTHON_RUNNER.wasm())
-        .arg("--cache-dir")
-        .arg(repo_root().join("target").join("test-component-cache"))
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let described: Value = serde_json::from_str(&stdout).unwrap();
+    let described = inspect_component("runner", &PYTHON_RUNNER.wasm());
     assert_eq!(described["world"], World::Runner.name());
     assert_eq!(described["extra_exports"], json!(["exports"]));
 }
