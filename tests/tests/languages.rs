@@ -42,8 +42,8 @@ fn parse(text: &str) -> Value {
     serde_json::from_str(text).unwrap_or_else(|err| panic!("{text:?} is not JSON: {err}"))
 }
 
-/// The scripted runner calls each of the guest's tools once; the records,
-/// the Step history and the events must show each scenario.
+/// The scripted runner calls each of the guest's tools once; the tool
+/// messages, the Step history and the events must show each scenario.
 async fn tool_scenario(guest: LanguageGuest, unexpected: &str) {
     precompile_language_guests();
     let t = |name: &str| guest.tool(name);
