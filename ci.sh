@@ -35,10 +35,11 @@ chromium --version
 step "guests: building every Rust guest to a wasm32-wasip2 component"
 guests/build.sh
 
-step "guests in Python (componentize-py, from PyPI) and JavaScript (componentize-js, from npm)"
+step "guests in Python (componentize-py, from PyPI), JavaScript (componentize-js, from npm) and C (clang-19, wit-bindgen c)"
 language_packages=()
 python3 -c 'import venv, ensurepip' 2>/dev/null || language_packages+=(python3 python3-venv)
 command -v npm >/dev/null || language_packages+=(nodejs npm)
+command -v clang-19 >/dev/null || language_packages+=(clang-19)
 if [ ${#language_packages[@]} -gt 0 ]; then
     if [ "$(id -u)" -ne 0 ]; then
         echo "need root to install ${language_packages[*]}: sudo apt-get install -y ${language_packages[*]}"
@@ -50,6 +51,7 @@ fi
 echo "$(python3 --version), node $(node --version), npm $(npm --version)"
 guests/python/build.sh
 guests/js/build.sh
+guests/c/build.sh
 
 step "format"
 cargo fmt --all -- --check

@@ -2,7 +2,8 @@
 //! (`echo`: return the arguments) built by each toolchain:
 //! - Rust: `echo-tool` (`guests/build.sh`);
 //! - Python: `py-tool` (componentize-py, `guests/python/build.sh`);
-//! - JavaScript: `js-tool` (componentize-js, `guests/js/build.sh`).
+//! - JavaScript: `js-tool` (componentize-js, `guests/js/build.sh`);
+//! - C: `c-tool` (wit-bindgen c and clang-19, `guests/c/build.sh`).
 //!
 //! For each it reports:
 //! - **size** of the component;
@@ -15,7 +16,7 @@
 //!   instance, as every Step gets.
 //!
 //! Run: `guests/build.sh && guests/python/build.sh && guests/js/build.sh &&
-//! cargo bench -p dexa --bench languages`. Without `--bench` (as in `cargo
+//! guests/c/build.sh && cargo bench -p dexa --bench languages`. Without `--bench` (as in `cargo
 //! test --all-targets`) it is a smoke run: few samples, no compile timing,
 //! and the shared test cache.
 
@@ -35,7 +36,7 @@ struct Language {
     build: &'static str,
 }
 
-const LANGUAGES: [Language; 3] = [
+const LANGUAGES: [Language; 4] = [
     Language {
         label: "rust",
         guest: "echo-tool",
@@ -53,6 +54,12 @@ const LANGUAGES: [Language; 3] = [
         guest: "js-tool",
         tool: "js_echo",
         build: "guests/js/build.sh",
+    },
+    Language {
+        label: "c",
+        guest: "c-tool",
+        tool: "c_echo",
+        build: "guests/c/build.sh",
     },
 ];
 

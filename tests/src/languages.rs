@@ -1,8 +1,8 @@
-//! Guests written in other languages (`guests/python`, `guests/js`), and a
-//! one-time compile of them into the shared test cache.
+//! Guests written in other languages (`guests/python`, `guests/js`,
+//! `guests/c`), and a one-time compile of them into the shared test cache.
 //!
-//! Their components are 12 to 19 MB, and a debug host compiles one in about
-//! 20 s. [`precompile_language_guests`] compiles each once per test process,
+//! The Python and JavaScript components are 12 to 19 MB, and a debug host
+//! compiles one in about 20 s. [`precompile_language_guests`] compiles each once per test process,
 //! so that tests running in parallel never compile the same one twice and
 //! their workers load it from the cache.
 
@@ -51,6 +51,14 @@ pub const JS_TOOL: LanguageGuest = LanguageGuest {
     build: "guests/js/build.sh",
 };
 
+pub const C_TOOL: LanguageGuest = LanguageGuest {
+    guest: "c-tool",
+    world: World::Tool,
+    language: "c",
+    prefix: "c",
+    build: "guests/c/build.sh",
+};
+
 /// Attacks on the sandbox, for `hostile_languages.rs`.
 pub const PYTHON_HOSTILE_TOOL: LanguageGuest = LanguageGuest {
     guest: "py-hostile-tool",
@@ -67,10 +75,11 @@ pub const JS_HOSTILE_TOOL: LanguageGuest = LanguageGuest {
     ..JS_TOOL
 };
 
-pub const LANGUAGE_GUESTS: [LanguageGuest; 6] = [
+pub const LANGUAGE_GUESTS: [LanguageGuest; 7] = [
     PYTHON_TOOL,
     PYTHON_RUNNER,
     JS_TOOL,
+    C_TOOL,
     PYTHON_HOSTILE_TOOL,
     PYTHON_HOSTILE_RUNNER,
     JS_HOSTILE_TOOL,

@@ -1,6 +1,7 @@
 //! Guests in other languages, through real sessions on real `dexa worker`
 //! processes: the Python tool (`guests/python/tool`, componentize-py), the
-//! JavaScript tool (`guests/js/tool`, componentize-js) and the Python runner
+//! JavaScript tool (`guests/js/tool`, componentize-js), the C tool
+//! (`guests/c/tool`, wit-bindgen c) and the Python runner
 //! (`guests/python/runner`), with the scenarios the Rust guests are tested
 //! on:
 //! - a tool's result reaches the session;
@@ -16,7 +17,8 @@ use dexa::session::{event_type, step, AgentSnapshot, MessageRole};
 use dexa_tests::chat_server::{text_transcript, tool_calls_transcript, ReplayChatServer, Reply};
 use dexa_tests::kit::{dexa_binary, inspect_component, wait_for_turns, AgentTestStack, KitAgent};
 use dexa_tests::languages::{
-    precompile_language_guests, LanguageGuest, JS_TOOL, LANGUAGE_GUESTS, PYTHON_RUNNER, PYTHON_TOOL,
+    precompile_language_guests, LanguageGuest, C_TOOL, JS_TOOL, LANGUAGE_GUESTS, PYTHON_RUNNER,
+    PYTHON_TOOL,
 };
 use dexa_tests::session::{all_events, last_text, texts_of};
 use dexa_tests::{guests_dir, repo_root};
@@ -145,6 +147,12 @@ async fn a_python_tool_returns_results_fails_as_the_spec_says_and_sees_the_idemp
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_javascript_tool_returns_results_fails_as_the_spec_says_and_sees_the_idempotency_key() {
     tool_scenario(JS_TOOL, "TypeError: javascript-tool threw on purpose").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_c_tool_returns_results_fails_as_the_spec_says_and_sees_the_idempotency_key() {
+    // C has no exceptions: `c_raise` returns tool-error.internal itself.
+    tool_scenario(C_TOOL, "c-tool failed internally on purpose").await;
 }
 
 const MODEL_KEY_VAR: &str = "DEXA_TEST_LANGUAGES_KEY";
@@ -405,7 +413,7 @@ async fn a_python_runner_runs_the_agent_loop_with_python_and_javascript_tools() 
 }
 
 /// componentize-py adds an `exports` interface (with `init`) to every
-/// component; componentize-js adds nothing. The host loads them all, names
+/// component; componentize-js and wit-bindgen c add nothing. The host loads them all, names
 /// the extra exports, and never calls them.
 #[test]
 fn the_host_loads_components_whose_toolchain_adds_exports_of_its_own() {
