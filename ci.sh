@@ -16,38 +16,34 @@ for component in rustfmt clippy; do
         || { echo "rustup component $component is missing: rustup component add $component"; exit 1; }
 done
 
-step "browser for the web viewer test (Debian's chromium, chromium-driver) and curl for the README walkthrough"
-browser_packages=(chromium chromium-driver curl)
-missing=()
-for pkg in "${browser_packages[@]}"; do
-    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
-done
-if [ ${#missing[@]} -gt 0 ]; then
+# apt_install PACKAGE...: installs the missing ones (none: does nothing).
+apt_install() {
+    [ $# -gt 0 ] || return 0
     if [ "$(id -u)" -ne 0 ]; then
-        echo "need root to install ${missing[*]}: sudo apt-get install -y ${missing[*]}"
+        echo "need root to install $*: sudo apt-get install -y $*"
         exit 1
     fi
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-fi
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+}
+
+step "browser for the web viewer test (Debian's chromium, chromium-driver) and curl for the README walkthrough"
+missing=()
+for pkg in chromium chromium-driver curl; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+apt_install "${missing[@]}"
 chromium --version
 
 step "guests: building every Rust guest to a wasm32-wasip2 component"
 guests/build.sh
 
 step "guests in Python (componentize-py, from PyPI), JavaScript (componentize-js, from npm) and C (clang-19, wit-bindgen c)"
-language_packages=()
-python3 -c 'import venv, ensurepip' 2>/dev/null || language_packages+=(python3 python3-venv)
-command -v npm >/dev/null || language_packages+=(nodejs npm)
-command -v clang-19 >/dev/null || language_packages+=(clang-19)
-if [ ${#language_packages[@]} -gt 0 ]; then
-    if [ "$(id -u)" -ne 0 ]; then
-        echo "need root to install ${language_packages[*]}: sudo apt-get install -y ${language_packages[*]}"
-        exit 1
-    fi
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${language_packages[@]}" >/dev/null
-fi
+missing=()
+python3 -c 'import venv, ensurepip' 2>/dev/null || missing+=(python3 python3-venv)
+command -v npm >/dev/null || missing+=(nodejs npm)
+command -v clang-19 >/dev/null || missing+=(clang-19)
+apt_install "${missing[@]}"
 echo "$(python3 --version), node $(node --version), npm $(npm --version)"
 guests/python/build.sh
 guests/js/build.sh

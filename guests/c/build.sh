@@ -6,18 +6,13 @@
 # with cargo into target/guest-toolchains/c on first use, C generator only);
 # clang-19 compiles against Debian's wasi-libc, and wasm-component-ld (from
 # the Rust toolchain, as in guests/build.sh) links a component with wasm-ld.
-# A component whose sources and WIT are older than its .wasm is not rebuilt;
-# `--force` rebuilds anyway.
+# Unchanged components are kept (guests/lib.sh); `--force` rebuilds them.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
-root=$(cd "$here/../.." && pwd)
-out="$root/target/guests"
+log_prefix="c guests"
+. "$here/../lib.sh" "$@"
 tools="$root/target/guest-toolchains/c"
-force=0
-[ "${1:-}" = "--force" ] && force=1
-
-log() { printf '[c guests] %s\n' "$*" >&2; }
 
 clang=clang-19
 wasm_ld=/usr/lib/llvm-22/bin/wasm-ld
@@ -40,8 +35,7 @@ mkdir -p "$out"
 
 build() { # <source dir> <world> <output name>
     local src="$here/$1" world=$2 wasm="$out/$3.wasm"
-    if [ $force -eq 0 ] && [ -f "$wasm" ] \
-        && [ -z "$(find "$src" "$root/wit" -newer "$wasm" -type f | head -1)" ]; then
+    if up_to_date "$wasm" "$src" "$root/wit"; then
         log "$3: up to date"
         return
     fi

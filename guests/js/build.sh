@@ -5,19 +5,13 @@
 #
 # componentize-js is pinned in package-lock.json and installed with `npm ci`
 # on first use. `-d http fetch-event` leaves wasi:http out of the component,
-# since a tool reaches the network only through a grant anyway. A component
-# whose sources, WIT and toolchain are older than its .wasm is not rebuilt
-# (builds are not byte-identical, and a new .wasm makes the host compile it
-# again). `--force` rebuilds anyway.
+# since a tool reaches the network only through a grant anyway. Unchanged
+# components are kept (guests/lib.sh); `--force` rebuilds them.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
-root=$(cd "$here/../.." && pwd)
-out="$root/target/guests"
-force=0
-[ "${1:-}" = "--force" ] && force=1
-
-log() { printf '[js guests] %s\n' "$*" >&2; }
+log_prefix="js guests"
+. "$here/../lib.sh" "$@"
 
 command -v npm >/dev/null || { log "node and npm are missing (Node.js 18 or later)"; exit 1; }
 cli="$here/node_modules/@bytecodealliance/componentize-js/src/cli.js"
@@ -32,8 +26,7 @@ mkdir -p "$out"
 
 build() { # <source file> <world> <output name>
     local src="$here/$1" world=$2 wasm="$out/$3.wasm"
-    if [ $force -eq 0 ] && [ -f "$wasm" ] \
-        && [ -z "$(find "$src" "$root/wit" "$here/package-lock.json" -newer "$wasm" -type f | head -1)" ]; then
+    if up_to_date "$wasm" "$src" "$root/wit" "$here/package-lock.json"; then
         log "$3: up to date"
         return
     fi

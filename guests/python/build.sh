@@ -6,20 +6,14 @@
 #   guests/python/hostile-runner -> py-hostile-runner.wasm
 #
 # componentize-py (pinned in requirements.txt) is installed from PyPI into a
-# virtualenv under target/guest-toolchains/python on first use. A component
-# whose sources, WIT and toolchain are older than its .wasm is not rebuilt:
-# builds are not byte-identical, and a new .wasm makes the host compile it
-# again. `--force` rebuilds anyway.
+# virtualenv under target/guest-toolchains/python on first use. Unchanged
+# components are kept (guests/lib.sh); `--force` rebuilds them.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
-root=$(cd "$here/../.." && pwd)
-out="$root/target/guests"
+log_prefix="python guests"
+. "$here/../lib.sh" "$@"
 venv="$root/target/guest-toolchains/python"
-force=0
-[ "${1:-}" = "--force" ] && force=1
-
-log() { printf '[python guests] %s\n' "$*" >&2; }
 
 command -v python3 >/dev/null || { log "python3 is missing (3.10 or later, with the venv module)"; exit 1; }
 if [ ! -x "$venv/bin/componentize-py" ] || [ "$here/requirements.txt" -nt "$venv/.installed" ]; then
@@ -37,8 +31,7 @@ mkdir -p "$out"
 # never the machine's site-packages: what the app imports comes from there.
 build() { # <source dir> <world> <output name>
     local src="$here/$1" world=$2 wasm="$out/$3.wasm"
-    if [ $force -eq 0 ] && [ -f "$wasm" ] \
-        && [ -z "$(find "$src" "$root/wit" "$venv/.installed" -newer "$wasm" -type f -not -path '*/__pycache__/*' | head -1)" ]; then
+    if up_to_date "$wasm" "$src" "$root/wit" "$venv/.installed"; then
         log "$3: up to date"
         return
     fi

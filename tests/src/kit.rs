@@ -462,3 +462,52 @@ pub fn inspect_component(world: &str, wasm: &Path) -> Value {
     serde_json::from_str(&stdout)
         .unwrap_or_else(|err| panic!("inspect printed no JSON ({err}): {stdout}"))
 }
+
+/// A copy of `examples/<name>` at the same depth under `root`, with
+/// `target/guests` linked to the built guests, so that its relative paths
+/// hold and the repository's `.dexa` is untouched. Returns the copied config.
+pub fn example_copy(root: &Path, name: &str) -> PathBuf {
+    let example = root.join("examples").join(name);
+    std::fs::create_dir_all(&example).unwrap_or_else(|err| panic!("example dir: {err}"));
+    for file in ["dexa.toml", "responses.json"] {
+        std::fs::copy(
+            repo_root().join("examples").join(name).join(file),
+            example.join(file),
+        )
+        .unwrap_or_else(|err| panic!("copy examples/{name}/{file}: {err}"));
+    }
+    std::fs::create_dir_all(root.join("target")).unwrap_or_else(|err| panic!("target: {err}"));
+    std::os::unix::fs::symlink(crate::guests_dir(), root.join("target").join("guests"))
+        .unwrap_or_else(|err| panic!("link the guests: {err}"));
+    example.join("dexa.toml")
+}
+
+/// Runs `dexa demo` on `config` with `args` added, the tests' component
+/// cache and `env` (without `DEXA_MODEL` unless given); returns stdout and
+/// stderr of a run that succeeded.
+pub async fn run_demo(config: &Path, args: &[&str], env: &[(&str, &str)]) -> (String, String) {
+    let mut command = tokio::process::Command::new(dexa_binary());
+    command
+        .arg("demo")
+        .arg("--config")
+        .arg(config)
+        .args(args)
+        .arg("--cache-dir")
+        .arg(repo_root().join("target").join("test-component-cache"))
+        .env_remove("DEXA_MODEL")
+        .kill_on_drop(true);
+    for (name, value) in env {
+        command.env(name, value);
+    }
+    let output = command
+        .output()
+        .await
+        .unwrap_or_else(|err| panic!("run {}: {err}", dexa_binary().display()));
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(
+        output.status.success(),
+        "dexa demo failed:\n{stdout}\n{stderr}"
+    );
+    (stdout, stderr)
+}

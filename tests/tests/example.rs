@@ -2,58 +2,14 @@
 //! README's first command (`dexa demo`), on a copy of the example so the
 //! repository's `.dexa` is untouched.
 
-use std::path::{Path, PathBuf};
-
+use dexa_tests::kit::{example_copy, run_demo};
 use dexa_tests::{guests_dir, repo_root};
-
-/// A copy of `examples/bookkeeper` at the same depth, with `target/guests`
-/// linked to the built guests. Returns the copied config.
-fn example_copy(root: &Path) -> PathBuf {
-    let example = root.join("examples").join("bookkeeper");
-    std::fs::create_dir_all(&example).unwrap();
-    for file in ["dexa.toml", "responses.json"] {
-        std::fs::copy(
-            repo_root().join("examples/bookkeeper").join(file),
-            example.join(file),
-        )
-        .unwrap();
-    }
-    std::fs::create_dir_all(root.join("target")).unwrap();
-    std::os::unix::fs::symlink(guests_dir(), root.join("target").join("guests")).unwrap();
-    example.join("dexa.toml")
-}
-
-/// Runs `dexa demo` on `config` with the tests' component cache and `env`
-/// (without `DEXA_MODEL` unless given); returns stdout and stderr of a run
-/// that succeeded.
-async fn run_demo(config: &Path, env: &[(&str, &str)]) -> (String, String) {
-    let mut command = tokio::process::Command::new(dexa_tests::kit::dexa_binary());
-    command
-        .arg("demo")
-        .arg("--config")
-        .arg(config)
-        .arg("--cache-dir")
-        .arg(repo_root().join("target").join("test-component-cache"))
-        .env_remove("DEXA_MODEL")
-        .kill_on_drop(true);
-    for (name, value) in env {
-        command.env(name, value);
-    }
-    let output = command.output().await.unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
-    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
-    assert!(
-        output.status.success(),
-        "dexa demo failed:\n{stdout}\n{stderr}"
-    );
-    (stdout, stderr)
-}
 
 #[tokio::test]
 async fn the_demo_command_runs_the_example_agent_offline() {
     let dir = tempfile::tempdir().unwrap();
-    let config = example_copy(dir.path());
-    let (stdout, stderr) = run_demo(&config, &[]).await;
+    let config = example_copy(dir.path(), "bookkeeper");
+    let (stdout, stderr) = run_demo(&config, &[], &[]).await;
     assert!(stdout.contains("(model: replay)"), "{stdout}");
     for line in [
         "[tool lookup_invoice call_lookup started]",
@@ -102,7 +58,7 @@ async fn the_readme_walkthrough_works_as_written() {
     let script = script.replace("8080", &port.to_string());
 
     let dir = tempfile::tempdir().unwrap();
-    example_copy(dir.path());
+    example_copy(dir.path(), "bookkeeper");
     // Share the tests' compiled-component cache.
     let cache = dir.path().join(".dexa").join("cache");
     std::fs::create_dir_all(&cache).unwrap();
@@ -184,9 +140,10 @@ async fn two_environment_variables_switch_the_example_to_an_openai_model() {
     }])
     .await;
     let dir = tempfile::tempdir().unwrap();
-    let config = example_copy(dir.path());
+    let config = example_copy(dir.path(), "bookkeeper");
     let (stdout, _) = run_demo(
         &config,
+        &[],
         &[
             ("DEXA_MODEL", "openai"),
             ("OPENAI_API_KEY", "sk-example"),

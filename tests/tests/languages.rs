@@ -15,13 +15,15 @@ use dexa::flow::history;
 use dexa::plugin::World;
 use dexa::session::{event_type, step, AgentSnapshot, MessageRole};
 use dexa_tests::chat_server::{text_transcript, tool_calls_transcript, ReplayChatServer, Reply};
-use dexa_tests::kit::{dexa_binary, inspect_component, wait_for_turns, AgentTestStack, KitAgent};
+use dexa_tests::kit::{
+    example_copy, inspect_component, run_demo, wait_for_turns, AgentTestStack, KitAgent,
+};
 use dexa_tests::languages::{
     precompile_language_guests, LanguageGuest, C_TOOL, JS_TOOL, LANGUAGE_GUESTS, PYTHON_RUNNER,
     PYTHON_TOOL,
 };
+use dexa_tests::repo_root;
 use dexa_tests::session::{all_events, last_text, texts_of};
-use dexa_tests::{guests_dir, repo_root};
 use serde_json::{json, Value};
 
 /// The outcome of tool call `id` as the runner got it (through
@@ -439,35 +441,9 @@ fn the_host_loads_components_whose_toolchain_adds_exports_of_its_own() {
 async fn the_polyglot_example_runs_with_dexa_demo() {
     precompile_language_guests();
     let dir = tempfile::tempdir().unwrap();
-    let example = dir.path().join("examples").join("polyglot");
-    std::fs::create_dir_all(&example).unwrap();
-    for file in ["dexa.toml", "responses.json"] {
-        std::fs::copy(
-            repo_root().join("examples/polyglot").join(file),
-            example.join(file),
-        )
-        .unwrap();
-    }
-    std::fs::create_dir_all(dir.path().join("target")).unwrap();
-    std::os::unix::fs::symlink(guests_dir(), dir.path().join("target").join("guests")).unwrap();
-    let output = tokio::process::Command::new(dexa_binary())
-        .args(["demo", "--agent", "Polyglot", "--message"])
-        .arg("How many words are in: the quick brown fox jumps?")
-        .arg("--config")
-        .arg(example.join("dexa.toml"))
-        .arg("--cache-dir")
-        .arg(repo_root().join("target").join("test-component-cache"))
-        .env_remove("DEXA_MODEL")
-        .kill_on_drop(true)
-        .output()
-        .await
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    let config = example_copy(dir.path(), "polyglot");
+    let message = "How many words are in: the quick brown fox jumps?";
+    let (stdout, _) = run_demo(&config, &["--agent", "Polyglot", "--message", message], &[]).await;
     for line in [
         "(model: replay)",
         "[tool py_word_count call_count succeeded]",
