@@ -19,7 +19,7 @@ use dexa::flow::{history, FlowStatus, StepHistoryEntry};
 use dexa::session::{step, AgentSessionClient};
 use serde_json::json;
 
-use crate::kit::{wait_for_agent_snapshot, wait_for_turns, AgentTestStack};
+use crate::kit::{wait_for_turns, AgentTestStack};
 use crate::session::last_text;
 use crate::{guest_wasm, repo_root};
 
@@ -336,9 +336,10 @@ pub fn assert_three_failed_attempts_then(
 }
 
 /// A runner whose `build-user-message` traps on the message `trap-build`:
-/// AwaitUserMessage has no failure route, so after its attempts the session
-/// fails, with `expected` in the failed Step's recorded error.
-pub async fn assert_a_trap_in_build_user_message_fails_the_session(
+/// AwaitUserMessage tries its three attempts, then gives the message up with
+/// the reason recorded as the turn's error (`expected` in it), and the
+/// session goes on: the next message runs its turn.
+pub async fn assert_a_trap_in_build_user_message_fails_only_that_message(
     stack: &AgentTestStack,
     sessions: &AgentSessionClient,
     expected: &str,
@@ -352,21 +353,35 @@ pub async fn assert_a_trap_in_build_user_message_fails_the_session(
         .send_user_message("trap-build", "trap-build")
         .await
         .expect("send"));
-    wait_for_agent_snapshot(sessions, "trap-build", "the session to fail", |s| {
-        (s.flow_status == FlowStatus::Failed).then_some(())
-    })
-    .await;
-    let history = stack.read_step_history("trap-build").await;
-    let failed = history
-        .iter()
-        .find(|e| e.event_type == history::EXECUTE_FAILED)
-        .unwrap_or_else(|| panic!("no failed Step in {history:?}"));
-    assert_eq!(failed.step_type, step::AWAIT_USER_MESSAGE);
+    let snapshot = wait_for_turns(sessions, "trap-build", 1).await;
+    assert_eq!(snapshot.flow_status, FlowStatus::Running);
+    let error = snapshot
+        .state
+        .and_then(|s| s.last_turn_error)
+        .unwrap_or_default();
     assert!(
-        failed
-            .detail
-            .as_deref()
-            .is_some_and(|d| d.contains(expected)),
-        "{failed:?}"
+        error.contains("the user message could not be used") && error.contains(expected),
+        "{error}"
     );
+    let history = stack.read_step_history("trap-build").await;
+    let attempts: Vec<(&str, u32)> = history
+        .iter()
+        .filter(|e| e.step_type == step::AWAIT_USER_MESSAGE)
+        .map(|e| (e.event_type.as_str(), e.final_attempt))
+        .collect();
+    assert_eq!(
+        attempts,
+        vec![
+            (history::ATTEMPT_FAILED, 1),
+            (history::ATTEMPT_FAILED, 2),
+            (history::EXECUTE_COMPLETED, 3),
+        ],
+        "{history:?}"
+    );
+    assert!(sessions
+        .send_user_message("trap-build", "hello")
+        .await
+        .expect("send"));
+    let after = wait_for_turns(sessions, "trap-build", 2).await;
+    assert_eq!(after.state.and_then(|s| s.last_turn_error), None);
 }

@@ -283,7 +283,9 @@ impl AgentTestStack {
     }
 }
 
-fn render_config(agents: &[KitAgent], settings: &KitSettings) -> String {
+/// The `dexa.toml` of `agents` (see [`AgentTestStack::with_settings`]), for a
+/// test that adds to it.
+pub fn render_config(agents: &[KitAgent], settings: &KitSettings) -> String {
     let gates = json!([{"host": "gates", "guest": "/gates", "access": "read_write"}]);
     let mut components = serde_json::Map::new();
     let mut agent_tables = serde_json::Map::new();

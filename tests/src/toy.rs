@@ -98,6 +98,7 @@ pub fn toy_registry(probe: Arc<Probe>) -> Registry {
         stream_flow(),
         gated_flow(probe.clone()),
         noop_flow(),
+        once_flow(probe.clone()),
     ];
     Registry::new(types).unwrap_or_else(|err| panic!("toy registry: {err}"))
 }
@@ -362,6 +363,31 @@ fn gated_flow(probe: Arc<Probe>) -> FlowType {
         }
     };
     FlowType::new("Gated", "Work").step(StepDef::new("Work", work).policy(quick(3)))
+}
+
+/// `Once`: `Act` is a single-attempt side effect. It records output first
+/// (its durable "started" marker), then acts, counted per flow as
+/// `Act:<flow id>`; a lost worker after the marker takes the failure route
+/// `Unknown`, never a second run.
+fn once_flow(probe: Arc<Probe>) -> FlowType {
+    let act = move |ctx: StepContext| {
+        let probe = probe.clone();
+        async move {
+            ctx.heartbeat().await?;
+            probe.ran(&format!("Act:{}", ctx.flow_id()));
+            Ok(StepResult::end().set("acted", json!(true)))
+        }
+    };
+    let unknown = |ctx: StepContext| async move {
+        Ok(StepResult::end().set("unknown", json!(ctx.failure().unwrap_or_default())))
+    };
+    FlowType::new("Once", "Act")
+        .step(
+            StepDef::new("Act", act)
+                .policy(quick(1))
+                .failure_route("Unknown"),
+        )
+        .step(StepDef::new("Unknown", unknown))
 }
 
 /// `Noop`: one Step that does nothing.

@@ -52,14 +52,19 @@ impl Served {
 
 /// `Helpdesk`: turn 1 asks for a tool that needs approval, then answers.
 async fn serve() -> Served {
-    let server = ApiServer::helpdesk(json!({"turns": [
+    serve_script(json!({"turns": [
         {"steps": [
             {"tool_calls": [{"id": "pay", "name": "log", "arguments": {"name": "pay"}}]},
             {"text": "paid", "deltas": ["pa", "id"]}
         ]},
         {"steps": [{"text": "hello again"}]}
     ]}))
-    .await;
+    .await
+}
+
+/// `Helpdesk` playing `script`.
+async fn serve_script(script: Value) -> Served {
+    let server = ApiServer::helpdesk(script).await;
     Served {
         base: server.base.clone(),
         http: reqwest::Client::new(),
@@ -517,4 +522,237 @@ async fn every_operation_in_the_openapi_document_is_routed_and_every_ref_resolve
             "{reference} does not resolve"
         );
     }
+}
+
+impl Served {
+    /// `POST /v1/sessions/{session}/messages`, with an `Idempotency-Key`
+    /// header for each of `keys`.
+    async fn send(&self, session: &str, text: &str, keys: &[&str]) -> (StatusCode, Value) {
+        let mut request = self
+            .http
+            .post(self.url(&format!("/v1/sessions/{session}/messages")))
+            .bearer_auth(TOKEN)
+            .json(&json!({ "text": text }));
+        for key in keys {
+            request = request.header("Idempotency-Key", *key);
+        }
+        let response = request.send().await.unwrap();
+        let status = response.status();
+        let text = response.text().await.unwrap();
+        let value = serde_json::from_str(&text).unwrap_or(Value::String(text));
+        (status, value)
+    }
+
+    /// Waits until the session has run at least `turns` turns and is idle:
+    /// no turn running, no message queued.
+    async fn idle_after(&self, session: &str, turns: u64) -> Value {
+        self.snapshot_until(session, |s| {
+            s["state"]["turn_count"]
+                .as_u64()
+                .is_some_and(|n| n >= turns)
+                && s["state"]["active_turn_id"].is_null()
+                && s["queued_message_count"] == 0
+        })
+        .await
+    }
+}
+
+/// The texts of a snapshot's user messages, oldest first.
+fn user_texts(snapshot: &Value) -> Vec<String> {
+    snapshot["messages"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default()
+        .iter()
+        .filter(|m| m["role"] == "user")
+        .filter_map(|m| m["text"].as_str().map(str::to_string))
+        .collect()
+}
+
+/// The answer `send` gives a keyed send.
+fn keyed(key: &str, replayed: bool) -> (StatusCode, Value) {
+    (
+        StatusCode::ACCEPTED,
+        json!({"queued": true, "idempotency_key": key, "replayed": replayed}),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_send_retried_with_one_idempotency_key_queues_one_message_and_another_key_another() {
+    let served = serve_script(json!({"turns": [{"steps": [{"text": "ok"}]}]})).await;
+    let (status, started) = served
+        .call(
+            "POST",
+            "/v1/agents/Helpdesk/sessions",
+            Some(json!({"session_id": "s1"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{started}");
+
+    // A client that timed out sends again at once, with the same key.
+    let first = served.send("s1", "pay invoice 7", &["pay-7"]).await;
+    let retry = served.send("s1", "pay invoice 7", &["pay-7"]).await;
+    assert_eq!(first, keyed("pay-7", false));
+    assert_eq!(
+        retry,
+        keyed("pay-7", true),
+        "the retry gets the first answer"
+    );
+    let snapshot = served.idle_after("s1", 1).await;
+    assert_eq!(user_texts(&snapshot), vec!["pay invoice 7"]);
+    assert_eq!(
+        snapshot["state"]["turn_count"], 1,
+        "one turn ran: {snapshot}"
+    );
+
+    // A retry after the turn ran is recognised too, and runs nothing.
+    let late = served.send("s1", "pay invoice 7", &["pay-7"]).await;
+    assert_eq!(late, keyed("pay-7", true));
+    // The same key with another text is no retry: refused, nothing queued.
+    let (status, error) = served.send("s1", "pay invoice 8", &["pay-7"]).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{error}");
+    assert_eq!(error["error"]["code"], "idempotency_key_reused");
+
+    // Another key queues another message, even with the same text.
+    let second = served.send("s1", "pay invoice 7", &["pay-7-again"]).await;
+    assert_eq!(second, keyed("pay-7-again", false));
+    let snapshot = served.idle_after("s1", 2).await;
+    assert_eq!(
+        user_texts(&snapshot),
+        vec!["pay invoice 7", "pay invoice 7"]
+    );
+    assert_eq!(snapshot["state"]["turn_count"], 2, "{snapshot}");
+    // A send without a key keeps its plain answer.
+    let plain = served.send("s1", "no key", &[]).await;
+    assert_eq!(plain, (StatusCode::ACCEPTED, json!({"queued": true})));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_idempotency_key_gets_a_typed_400_and_queues_nothing() {
+    let served = serve_script(json!({"turns": [{"steps": [{"text": "ok"}]}]})).await;
+    served
+        .call(
+            "POST",
+            "/v1/agents/Helpdesk/sessions",
+            Some(json!({"session_id": "s1"})),
+        )
+        .await;
+    let too_long = "k".repeat(256);
+    let bad: Vec<(&str, Vec<&str>)> = vec![
+        ("empty", vec![""]),
+        ("256 bytes", vec![too_long.as_str()]),
+        ("not ASCII", vec!["clé"]),
+        ("a control character", vec!["tab\there"]),
+        ("two headers", vec!["one", "two"]),
+    ];
+    for (why, keys) in bad {
+        let (status, error) = served.send("s1", "pay", &keys).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{why}: {error}");
+        assert_eq!(error["error"]["code"], "invalid_idempotency_key", "{why}");
+    }
+    // The longest valid key works, and it is the only message queued.
+    let longest = "k".repeat(255);
+    let queued = served.send("s1", "pay", &[longest.as_str()]).await;
+    assert_eq!(queued, keyed(&longest, false));
+    let snapshot = served.idle_after("s1", 1).await;
+    assert_eq!(user_texts(&snapshot), vec!["pay"]);
+    assert_eq!(snapshot["state"]["turn_count"], 1, "{snapshot}");
+}
+
+/// POSTs `body` over a bare HTTP/1.1 connection and returns the status and
+/// the JSON answer. A server that refuses a body over its limit answers and
+/// closes before reading the rest; an HTTP client can report that as a
+/// broken connection instead of the answer, so this one ignores write
+/// errors and reads whatever came back.
+async fn raw_post(served: &Served, path: &str, body: &Value) -> (u16, Value) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let address = served.base.trim_start_matches("http://").to_string();
+    let body = body.to_string();
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nHost: {address}\r\nAuthorization: Bearer {TOKEN}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    let exchange = async {
+        let mut stream = tokio::net::TcpStream::connect(&address).await.unwrap();
+        let _ = stream.write_all(head.as_bytes()).await;
+        let _ = stream.write_all(body.as_bytes()).await;
+        let mut answer = Vec::new();
+        let _ = stream.read_to_end(&mut answer).await;
+        answer
+    };
+    let answer = tokio::time::timeout(Duration::from_secs(20), exchange)
+        .await
+        .expect("an answer within 20 s");
+    let text = String::from_utf8_lossy(&answer).to_string();
+    let (head, rest) = text
+        .split_once("\r\n\r\n")
+        .unwrap_or_else(|| panic!("no HTTP answer: {text:?}"));
+    let status: u16 = head
+        .split(' ')
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .unwrap_or_else(|| panic!("no status line: {head:?}"));
+    let value = serde_json::from_str(rest).unwrap_or(Value::String(rest.to_string()));
+    (status, value)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_message_gets_a_typed_413_queues_nothing_and_the_session_goes_on() {
+    use dexa::api::MAX_REQUEST_BODY_BYTES;
+    use dexa::session::MAX_USER_MESSAGE_BYTES;
+    let served = serve_script(json!({"turns": [{"steps": [{"text": "ok"}]}]})).await;
+    served
+        .call(
+            "POST",
+            "/v1/agents/Helpdesk/sessions",
+            Some(json!({"session_id": "s1"})),
+        )
+        .await;
+
+    // Just over the cap: the body is read whole, and the session client
+    // refuses the message.
+    let over = "x".repeat(MAX_USER_MESSAGE_BYTES + 1);
+    let (status, error) = served.send("s1", &over, &[]).await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE, "{error}");
+    assert_eq!(error["error"]["code"], "message_too_large", "{error}");
+    let (status, error) = served.send("s1", &over, &["big-1"]).await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE, "{error}");
+
+    // 3 MiB: over the request-body limit too; still a typed JSON 413.
+    let huge = "y".repeat(3 << 20);
+    assert!(huge.len() > MAX_REQUEST_BODY_BYTES);
+    let (status, error) = raw_post(
+        &served,
+        "/v1/sessions/s1/messages",
+        &json!({ "text": huge }),
+    )
+    .await;
+    assert_eq!(status, 413, "{error}");
+    assert_eq!(error["error"]["code"], "payload_too_large", "{error}");
+
+    // A session cannot start with one either, and none is created.
+    let (status, error) = served
+        .call(
+            "POST",
+            "/v1/agents/Helpdesk/sessions",
+            Some(json!({"session_id": "s2", "message": over})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE, "{error}");
+    assert_eq!(error["error"]["code"], "message_too_large");
+    let (status, _) = served.call("GET", "/v1/sessions/s2", None).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+
+    // The session goes on: nothing was queued, and a normal message runs.
+    let (status, snapshot) = served.call("GET", "/v1/sessions/s1", None).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(snapshot["queued_message_count"], 0, "{snapshot}");
+    assert_eq!(snapshot["flow_status"], "running");
+    let queued = served.send("s1", "hello", &[]).await;
+    assert_eq!(queued, (StatusCode::ACCEPTED, json!({"queued": true})));
+    let snapshot = served.idle_after("s1", 1).await;
+    assert_eq!(user_texts(&snapshot), vec!["hello"]);
+    assert_eq!(snapshot["state"]["turn_count"], 1, "{snapshot}");
+    assert_eq!(snapshot["state"]["last_turn_error"], Value::Null);
 }

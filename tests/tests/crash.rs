@@ -7,7 +7,9 @@ use dexa::session::{
     event_type, step, AgentSnapshot, MessageRole, ResolveInterruptRequest, ToolCallStatus,
     ToolEffect,
 };
-use dexa_tests::kit::{wait_for_agent_snapshot, wait_for_turns, AgentTestStack, KitAgent};
+use dexa_tests::kit::{
+    render_config, wait_for_agent_snapshot, wait_for_turns, AgentTestStack, KitAgent, KitSettings,
+};
 use dexa_tests::session::{last_text, texts_of};
 use serde_json::{json, Value};
 
@@ -422,4 +424,57 @@ fn dexa_worker_refuses_a_bad_config_naming_the_file_and_the_line() {
         )),
         "{stderr}"
     );
+}
+
+/// A single-attempt tool call that never got a sandbox (no instance free
+/// within its deadline) provably did not run: it is recorded `failed` with
+/// the reason, not `outcome_unknown`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_single_attempt_tool_that_never_started_is_recorded_failed() {
+    let holder = KitAgent::scripted(
+        "Holder",
+        json!({"turns": [{"steps": [
+            {"tool_calls": [call("h", "gate", json!({"name": "h", "timeout_ms": 60000}))]},
+            {"text": "held"}
+        ]}]}),
+    )
+    .tool("gate-tool")
+    .policy("gate", ToolEffect::NonIdempotentWrite, Some(false))
+    .extra("tool_attempt_timeout = \"60s\"");
+    let starved = KitAgent::scripted(
+        "Starved",
+        json!({"turns": [{"steps": [
+            {"tool_calls": [call("s", "gate", json!({"name": "s"}))]},
+            {"text": "starved"}
+        ]}]}),
+    )
+    .tool("gate-tool")
+    .policy("gate", ToolEffect::NonIdempotentWrite, Some(false))
+    .extra("tool_attempt_timeout = \"1s\"");
+    let agents = vec![holder, starved];
+    let mut stack = AgentTestStack::with_config(|_| {
+        // One instance of gate-tool at a time, shared by both agents.
+        render_config(&agents, &KitSettings::default()).replace(
+            "[components.gate-tool]\n",
+            "[components.gate-tool]\nlimits = { max_concurrent_calls = 1 }\n",
+        )
+    });
+    stack.start_worker();
+    let holding = stack.sessions("Holder");
+    holding.start_session("holder", "go").await.unwrap();
+    stack.gate("h").wait_until_reached().await;
+    let starving = stack.sessions("Starved");
+    starving.start_session("starved", "go").await.unwrap();
+    let snapshot = wait_for_turns(&starving, "starved", 1).await;
+    let texts = texts_of(&snapshot, MessageRole::Tool);
+    assert!(
+        texts.len() == 1
+            && texts[0].starts_with("Tool call failed")
+            && texts[0].contains("did not start: no free instance"),
+        "{texts:?}"
+    );
+    assert_eq!(stack.invocations().count("s"), 0, "the tool never ran");
+    stack.gate("h").release();
+    let held = wait_for_turns(&holding, "holder", 1).await;
+    assert_eq!(last_text(&held).as_deref(), Some("held"));
 }

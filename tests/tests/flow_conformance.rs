@@ -570,7 +570,7 @@ async fn a_stale_workers_commit_is_refused(factory: &dyn StoreFactory) {
         .renew_leases("worker-a", &[(a.task_id, a.lease_token)], 1000)
         .await
         .expect("renew");
-    assert_eq!(lost, vec![a.task_id]);
+    assert_eq!(lost, vec![(a.task_id, a.lease_token)]);
     stack
         .store
         .commit_step(commit(&b))
@@ -594,6 +594,262 @@ async fn a_stale_workers_commit_is_refused(factory: &dyn StoreFactory) {
             .map(|f| f.status),
         Some(FlowStatus::Completed)
     );
+}
+
+/// The reaper's look at an expired lease (`output_recorded = false`), then the
+/// lapsed worker's "started" write: the write must be refused, because the
+/// redelivery that follows would let another worker act a second time.
+async fn a_lapsed_lease_cannot_record_output(factory: &dyn StoreFactory) {
+    let stack = Stack::new(factory);
+    stack
+        .client
+        .start_flow("Once", "lapsed", json!({}))
+        .await
+        .expect("start");
+    let types = vec!["Once".to_string()];
+    let a = stack
+        .store
+        .claim("worker-a", &types, 1, 50)
+        .await
+        .expect("claim")
+        .pop()
+        .expect("a task");
+    tokio::time::sleep(Duration::from_millis(80)).await;
+    let expired = stack.store.expired_leases(&types, 10).await.expect("look");
+    assert_eq!(expired.len(), 1);
+    assert!(!expired[0].output_recorded, "the reaper saw no output");
+    let started = stack.store.record_output(a.task_id, a.lease_token).await;
+    assert!(
+        matches!(started, Err(StoreError::StaleLease { .. })),
+        "a lapsed lease may not record output: {started:?}"
+    );
+    let now = stack.store.now().await.expect("now");
+    let reap = AttemptFailure::of(&a, dexa::flow::retry::redelivery(&a, now), true);
+    stack.store.fail_attempt(reap).await.expect("redelivered");
+    let b = stack
+        .store
+        .claim("worker-b", &types, 1, 10_000)
+        .await
+        .expect("claim")
+        .pop()
+        .expect("b task");
+    assert_eq!((b.task_id, b.attempt), (a.task_id, 1));
+    stack
+        .store
+        .record_output(b.task_id, b.lease_token)
+        .await
+        .expect("the new holder records output");
+}
+
+/// The reaper looks (`output_recorded = false`), the worker renews its lapsed
+/// lease and records output, the lease lapses again, and only then does the
+/// reaper apply its stale decision: the redelivery must be refused in the
+/// same transaction, and nothing of it (history included) stored.
+async fn a_redelivery_is_refused_once_output_is_recorded(factory: &dyn StoreFactory) {
+    let stack = Stack::new(factory);
+    stack
+        .client
+        .start_flow("Once", "raced", json!({}))
+        .await
+        .expect("start");
+    let types = vec!["Once".to_string()];
+    let a = stack
+        .store
+        .claim("worker-a", &types, 1, 50)
+        .await
+        .expect("claim")
+        .pop()
+        .expect("a task");
+    tokio::time::sleep(Duration::from_millis(80)).await;
+    let expired = stack.store.expired_leases(&types, 10).await.expect("look");
+    assert!(!expired[0].output_recorded);
+    let now = stack.store.now().await.expect("now");
+    let stale_decision = dexa::flow::retry::redelivery(&expired[0].task, now);
+    let lost = stack
+        .store
+        .renew_leases("worker-a", &[(a.task_id, a.lease_token)], 50)
+        .await
+        .expect("renew");
+    assert!(lost.is_empty(), "an unreaped lease can be renewed");
+    stack
+        .store
+        .record_output(a.task_id, a.lease_token)
+        .await
+        .expect("started within the renewed lease");
+    tokio::time::sleep(Duration::from_millis(80)).await;
+    let refused = stack
+        .store
+        .fail_attempt(AttemptFailure::of(&a, stale_decision, true))
+        .await;
+    assert!(
+        matches!(refused, Err(StoreError::OutputRecorded { .. })),
+        "{refused:?}"
+    );
+    assert!(
+        events(&stack.history("raced").await, "Act").is_empty(),
+        "the refused redelivery left no history"
+    );
+    assert!(
+        stack
+            .store
+            .claim("worker-b", &types, 1, 10_000)
+            .await
+            .expect("claim")
+            .is_empty(),
+        "the attempt was not handed to another worker"
+    );
+    let expired = stack.store.expired_leases(&types, 10).await.expect("look");
+    assert!(expired[0].output_recorded, "the next look sees the output");
+}
+
+/// Many single-attempt Steps whose first holder stalls past its lease and
+/// then tries to start, while real workers reap with a widened window: no
+/// Step acts twice, whoever wins each race.
+async fn a_single_attempt_step_never_acts_twice_under_lapsing_leases(factory: &dyn StoreFactory) {
+    const FLOWS: usize = 40;
+    let mut stack = Stack::new(factory);
+    let types = vec!["Once".to_string()];
+    for n in 0..FLOWS {
+        stack
+            .client
+            .start_flow("Once", &format!("once-{n}"), json!({}))
+            .await
+            .expect("start");
+    }
+    // The stalled holder takes every task first, with a short lease.
+    let stalled = stack
+        .store
+        .claim("stalled", &types, FLOWS, 30)
+        .await
+        .expect("claim");
+    assert_eq!(stalled.len(), FLOWS);
+    let mut workers = Vec::new();
+    for n in 0..2 {
+        let options = WorkerOptions {
+            worker_id: format!("reaper-{n}"),
+            lease: Duration::from_millis(300),
+            reap_interval: Duration::from_millis(5),
+            reap_pause: Duration::from_millis(20),
+            ..WorkerOptions::default()
+        };
+        let worker = Worker::new(
+            stack.store.clone(),
+            stack.client.registry().clone(),
+            options,
+        );
+        workers.push(tokio::spawn(worker.run(std::future::pending())));
+    }
+    // It wakes at staggered times around its lease's end and tries to start.
+    let mut stalled_acts = std::collections::BTreeMap::new();
+    let mut attempts = Vec::new();
+    for (n, task) in stalled.iter().enumerate() {
+        let store = stack.store.clone();
+        let task = task.clone();
+        attempts.push(tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(20 + (n as u64 * 7) % 40)).await;
+            let acted = store
+                .record_output(task.task_id, task.lease_token)
+                .await
+                .is_ok();
+            (task.flow_id, acted)
+        }));
+    }
+    for attempt in attempts {
+        let (flow_id, acted) = attempt.await.expect("stalled holder");
+        stalled_acts.insert(flow_id, acted);
+    }
+    for n in 0..FLOWS {
+        stack
+            .wait_status(&format!("once-{n}"), FlowStatus::Completed)
+            .await;
+    }
+    for n in 0..FLOWS {
+        let flow_id = format!("once-{n}");
+        let by_stalled = usize::from(stalled_acts[&flow_id]);
+        let by_workers = stack.probe.runs_of(&format!("Act:{flow_id}"));
+        assert!(
+            by_stalled + by_workers <= 1,
+            "{flow_id} acted {by_stalled} time(s) in the stalled holder and {by_workers} in the reapers"
+        );
+        let acted = stack.attr(&flow_id, "acted").await.is_some();
+        let unknown = stack.attr(&flow_id, "unknown").await.is_some();
+        assert!(acted != unknown, "{flow_id} ends acted or unknown, once");
+    }
+    stack.worker = workers.pop();
+    for worker in workers {
+        worker.abort();
+    }
+}
+
+/// A stream created smaller than what a Step now appends (an operator raised
+/// the configured capacity after the flow began): the entry that can never
+/// fit is dropped and the rest of the commit applies, instead of failing the
+/// commit on every retry.
+async fn a_committed_entry_over_the_streams_capacity_does_not_refuse_the_commit(
+    factory: &dyn StoreFactory,
+) {
+    let stack = Stack::new(factory);
+    stack
+        .client
+        .start_flow("Noop", "small-stream", json!({}))
+        .await
+        .expect("start");
+    stack
+        .store
+        .set_stream_capacity("small-stream", "events", 2_000)
+        .await
+        .expect("capacity");
+    let task = stack
+        .store
+        .claim("w", &["Noop".to_string()], 1, 10_000)
+        .await
+        .expect("claim")
+        .pop()
+        .expect("task");
+    let now = stack.store.now().await.expect("now");
+    let append = |payload: Json| dexa::flow::StateWrite::Append {
+        stream: "events".into(),
+        payload,
+    };
+    stack
+        .store
+        .commit_step(StepCommit {
+            task_id: task.task_id,
+            lease_token: task.lease_token,
+            flow_id: "small-stream".into(),
+            consumed: vec![],
+            writes: vec![
+                append(json!({"pad": "x".repeat(5_000)})),
+                append(json!({"small": true})),
+                dexa::flow::StateWrite::Set {
+                    name: "after".into(),
+                    key: String::new(),
+                    value: json!(1),
+                },
+            ],
+            next: vec![],
+            complete_flow: false,
+            claim_next: None,
+            history: StepHistoryEntry {
+                event_type: EXECUTE_COMPLETED.into(),
+                step_type: task.step_type.clone(),
+                step_execution_id: task.step_execution_id.clone(),
+                final_attempt: task.attempt,
+                at: now,
+                detail: None,
+                started_at: None,
+            },
+        })
+        .await
+        .expect("the commit applies");
+    assert_eq!(stack.attr("small-stream", "after").await, Some(json!(1)));
+    let page = stack
+        .store
+        .read_stream("small-stream", "events", 0, 10)
+        .await
+        .expect("read");
+    let payloads: Vec<&Json> = page.entries.iter().map(|e| &e.payload).collect();
+    assert_eq!(payloads, vec![&json!({"small": true})]);
 }
 
 async fn stopping_a_flow_keeps_its_state_readable(factory: &dyn StoreFactory) {
@@ -822,6 +1078,10 @@ backends!(
     streams_trim_to_their_capacity,
     an_rpc_meets_a_lock_conflict,
     a_stale_workers_commit_is_refused,
+    a_lapsed_lease_cannot_record_output,
+    a_committed_entry_over_the_streams_capacity_does_not_refuse_the_commit,
+    a_redelivery_is_refused_once_output_is_recorded,
+    a_single_attempt_step_never_acts_twice_under_lapsing_leases,
     stopping_a_flow_keeps_its_state_readable,
     a_killed_worker_process_mid_step,
     leases_fence_the_retry_policy,

@@ -7,9 +7,9 @@
 
 use dexa::session::{step, AgentSessionClient, MessageRole};
 use dexa_tests::hostile::{
-    assert_a_trap_in_build_user_message_fails_the_session, assert_runner_attacks_fail_their_turns,
-    assert_three_failed_attempts_then, first_turn, Peers, GRANTED_VAR, SECRET_FILE_TEXT,
-    SECRET_VALUE, SECRET_VAR,
+    assert_a_trap_in_build_user_message_fails_only_that_message,
+    assert_runner_attacks_fail_their_turns, assert_three_failed_attempts_then, first_turn, Peers,
+    GRANTED_VAR, SECRET_FILE_TEXT, SECRET_VALUE, SECRET_VAR,
 };
 use dexa_tests::kit::AgentTestStack;
 use dexa_tests::languages::{
@@ -202,8 +202,8 @@ async fn each_python_and_javascript_tool_attack_fails_only_its_own_call() {
     assert_eq!(ends[8], "connected", "a granted address is reachable");
     let output_limit = "over the output limit of 1048576 bytes";
     assert_failed(&ends[9], "py_big_output", output_limit);
-    let events_limit = "bytes of events in one call";
-    assert_failed(&ends[10], "py_event_flood", events_limit);
+    // Events over the budget are dropped and the call goes on.
+    assert_eq!(ends[10], "flooded");
     assert_failed(
         &ends[11],
         "py_trap",
@@ -212,7 +212,7 @@ async fn each_python_and_javascript_tool_attack_fails_only_its_own_call() {
     assert_failed(&ends[12], "js_memory_bomb", limit);
     assert_failed(&ends[13], "js_recurse", "InternalError: too much recursion");
     assert_failed(&ends[14], "js_big_output", output_limit);
-    assert_failed(&ends[15], "js_event_flood", events_limit);
+    assert_eq!(ends[15], "flooded");
     assert_failed(
         &ends[16],
         "js_trap",
@@ -286,9 +286,9 @@ async fn each_python_runner_attack_fails_its_turn_by_the_spec_route_and_the_sess
     let history = stack.read_step_history("trap-model").await;
     assert_three_failed_attempts_then(&history, step::RUN_MODEL, step::RECORD_TURN_FAILURE);
 
-    // A raising build_user_message fails the session (no failure route),
-    // with the traceback in its history.
-    assert_a_trap_in_build_user_message_fails_the_session(
+    // A trap in build-user-message gives that message up, with the reason
+    // recorded, and the session goes on.
+    assert_a_trap_in_build_user_message_fails_only_that_message(
         &stack,
         &sessions,
         "RuntimeError: py-hostile-runner build_user_message raises on purpose",

@@ -12,8 +12,8 @@ use dexa::plugin::wit::{
 use dexa::plugin::{
     CacheOutcome, CallEnv, CallError, ComponentSettings, DirAccess, EventWriter, Grants,
     GuestEvent, LoadError, ModelProvider, SandboxConfig, SandboxEngine, ScriptedModelProvider,
-    ToolPolicies, ToolPolicyOverride,
 };
+use dexa::session::{ToolPolicies, ToolPolicyOverride};
 use dexa_tests::{guest_bytes, step_tag, test_engine, CollectingEvents, CountingHeartbeats};
 
 fn record(id: &str, tool: &str, arguments: &str, effect: ToolEffect) -> ToolCallRecord {
@@ -593,7 +593,7 @@ async fn tool_policies_are_resolved_by_the_host() {
     let script2 = r#"{"steps":[{"tool_calls":[{"id":"a","name":"x"}]},{"text":"all done"}]}"#;
     let resumed = runner
         .run_model_step(
-            env(),
+            env().with_policy(Arc::new(ToolPolicies::default())),
             turn(
                 "turn-1",
                 script2,

@@ -727,6 +727,7 @@ fn injected_record(id: &str, status: ToolCallStatus, order: u32) -> AgentToolCal
         error: None,
         rejection_message: None,
         deferral_order: order,
+        output_limit: None,
     }
 }
 
@@ -990,18 +991,30 @@ async fn a_deadline_timer_that_fires_early_waits_again() {
 }
 
 #[tokio::test]
-async fn approvals_expire_at_a_deadline_rounded_up_to_whole_seconds_on_the_store_clock() {
+async fn approvals_expire_at_their_exact_deadline_and_the_timer_fires_on_the_whole_second() {
     let options = AgentSessionOptions::default().interrupt_deadline(Duration::from_millis(1500));
     let stack = started(vec![echo_agent("Expire").options(options)]).await;
     let sessions = stack.sessions("Expire");
     let before = stack.store.now().await.unwrap();
     sessions.start_session("s1", &turn(json!([{"tool_calls": [tool_call("c1", "echo", json!({}), "unclassified")]}, {"text": "done"}]))).await.unwrap();
     let interrupt = first_pending_interrupt(&sessions, "s1").await;
+    let observed = stack.store.now().await.unwrap();
     let deadline = interrupt.deadline.expect("a deadline");
-    assert_eq!(deadline % 1000, 0, "whole seconds");
     assert!(
-        deadline >= before + 1500 && deadline < before + 1500 + 1000 + 2000,
-        "deadline {deadline}, start {before}"
+        deadline >= before + 1500 && deadline <= observed + 1500,
+        "the deadline is raised-at + 1500 ms exactly: {deadline}, start {before}, seen {observed}"
+    );
+    // Past the exact deadline but (usually) before the Timer's whole second:
+    // the answer is late and refused, not accepted for up to 999 ms more.
+    while stack.store.now().await.unwrap() < observed + 1500 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(
+        !sessions
+            .resolve_interrupt("s1", answer(interrupt.interrupt_id.clone(), true, None))
+            .await
+            .unwrap(),
+        "an answer after the deadline is refused"
     );
     let snapshot = wait_for_turns(&sessions, "s1", 1).await;
     let after = stack.store.now().await.unwrap();
@@ -1395,21 +1408,48 @@ async fn events_carry_turn_step_execution_and_attempt_and_every_event_type_appea
         .filter(|e| e.step_type == step::RUN_MODEL)
         .map(|e| e.step_execution_id.as_str())
         .collect();
+    // Consecutive deltas of one call may be merged into one entry.
     let text: Vec<&AgentEvent> = events
         .iter()
-        .filter(|e| e.event_type == event_type::TEXT_DELTA && e.data["text"] == json!("Hel"))
-        .collect();
-    assert_eq!(text.len(), 1);
-    assert!(run_model.contains(text[0].step_execution_id.as_str()));
-    // Each tool call finishes once.
-    let finished: Vec<&str> = events
-        .iter()
         .filter(|e| {
-            e.event_type == event_type::TOOL_CALL_FINISHED && e.data["tool_name"] != json!("inner")
+            e.event_type == event_type::TEXT_DELTA
+                && run_model.contains(e.step_execution_id.as_str())
+                && e.turn_id == "turn-1"
         })
-        .map(|e| e.data["tool_call_id"].as_str().unwrap_or(""))
         .collect();
-    assert_eq!(finished.len(), 2, "{finished:?}");
+    let streamed: String = text
+        .iter()
+        .filter_map(|e| e.data["text"].as_str())
+        .collect();
+    assert_eq!(streamed, "Hello there");
+    assert!(text
+        .iter()
+        .all(|e| run_model.contains(e.step_execution_id.as_str())));
+    // Each tool call finishes once: emit_events' own tool events about its
+    // call (c1), which the host runs, were refused, not filtered out here.
+    let mut finished: Vec<(&str, Option<&str>)> = events
+        .iter()
+        .filter(|e| e.event_type == event_type::TOOL_CALL_FINISHED)
+        .map(|e| {
+            (
+                e.data["tool_call_id"].as_str().unwrap_or(""),
+                e.origin.as_deref(),
+            )
+        })
+        .collect();
+    finished.sort();
+    assert_eq!(finished, vec![("c1", None), ("c2", None)]);
+    assert!(
+        events
+            .iter()
+            .filter(|e| e.event_type == event_type::TOOL_CALL_STARTED)
+            .all(|e| e.origin.is_none()),
+        "no guest-written tool_call_started"
+    );
+    // What a guest wrote is marked as the guest's.
+    let custom: Vec<&AgentEvent> = events.iter().filter(|e| e.event_type == "custom").collect();
+    assert_eq!(custom.len(), 1);
+    assert_eq!(custom[0].origin.as_deref(), Some(ORIGIN_GUEST));
 }
 
 #[tokio::test]
@@ -1417,7 +1457,11 @@ async fn the_events_capacity_bounds_the_stream() {
     let options = AgentSessionOptions::default().events_capacity(4096);
     let stack = started(vec![echo_agent("Capacity").options(options)]).await;
     let sessions = stack.sessions("Capacity");
-    let deltas: Vec<String> = (0..200).map(|n| format!("chunk-{n:03} ")).collect();
+    // 10 KB of deltas: merged into entries that each fit the stream, and
+    // more of them than it holds.
+    let deltas: Vec<String> = (0..200)
+        .map(|n| format!("chunk-{n:03} {}", "x".repeat(40)))
+        .collect();
     sessions
         .start_session(
             "s1",
@@ -1524,6 +1568,9 @@ async fn the_tool_steps_of_one_response_run_in_parallel() {
     }
 }
 
+/// A user message build-user-message cannot turn into a `user` message is
+/// given up after StartAgentSession's attempts, with the reason recorded;
+/// the session itself goes on (it has no failure route to fall back to).
 #[tokio::test]
 async fn build_user_message_must_return_the_user_role() {
     let stack = started(vec![
@@ -1532,13 +1579,23 @@ async fn build_user_message_must_return_the_user_role() {
     .await;
     let sessions = stack.sessions("Role");
     sessions.start_session("s1", "hello").await.unwrap();
-    let flow = wait_until("the session to fail", Duration::from_secs(20), || async {
-        let flow = stack.store.flow("s1").await.unwrap()?;
-        (flow.status == FlowStatus::Failed).then_some(flow)
-    })
-    .await;
-    let error = flow.error.unwrap_or_default();
-    assert!(error.contains("it must be user"), "{error}");
+    let snapshot = wait_for_turns(&sessions, "s1", 1).await;
+    assert_eq!(snapshot.flow_status, FlowStatus::Running);
+    let error = snapshot
+        .state
+        .and_then(|s| s.last_turn_error)
+        .unwrap_or_default();
+    assert!(
+        error.contains("the user message could not be used") && error.contains("it must be user"),
+        "{error}"
+    );
+    assert!(snapshot.messages.is_empty(), "the message was not stored");
+    let history = stack.step_history("s1").await;
+    let attempts = history
+        .iter()
+        .filter(|e| e.step_type == step::START_AGENT_SESSION)
+        .count();
+    assert_eq!(attempts, 3, "its three attempts, then the session went on");
 }
 
 #[tokio::test]
@@ -1693,4 +1750,431 @@ async fn an_event_too_large_for_the_stream_is_dropped_and_the_turn_completes() {
         1,
         "committed on the first attempt: {steps:?}"
     );
+}
+
+/// The effect a tool component declares in `list-tools` binds the runner: a
+/// runner that reports a non-idempotent write as a read needing no approval
+/// gets the approval and the single-attempt path all the same.
+#[tokio::test]
+async fn a_runner_cannot_skip_an_approval_by_under_declaring_a_tools_effect() {
+    let outbox = tempfile::tempdir().unwrap();
+    let agent = AgentSpec::scripted("Underdeclared").tool(
+        "notify-tool",
+        Grants::none().dir(outbox.path(), "/outbox", DirAccess::ReadWrite),
+    );
+    let stack = started(vec![agent]).await;
+    let sessions = stack.sessions("Underdeclared");
+    let mut call = tool_call("n1", "send_notification", json!({"message": "hi"}), "read");
+    call["requires_approval"] = json!(false);
+    sessions
+        .start_session(
+            "s1",
+            &turn(json!([{"tool_calls": [call]}, {"text": "done"}])),
+        )
+        .await
+        .unwrap();
+    let interrupt = first_pending_interrupt(&sessions, "s1").await;
+    assert_eq!(interrupt.tool_call_id, "n1");
+    let snapshot = sessions.get_agent_snapshot("s1").await.unwrap();
+    let pending = record(&snapshot, "n1");
+    assert_eq!(pending.effect, ToolEffect::NonIdempotentWrite);
+    assert!(pending.requires_approval);
+    assert_eq!(pending.status, ToolCallStatus::Pending);
+    assert!(
+        !outbox.path().join("sent.log").exists(),
+        "nothing was sent before the approval"
+    );
+    sessions
+        .resolve_interrupt("s1", answer(interrupt.interrupt_id, true, None))
+        .await
+        .unwrap();
+    wait_for_turns(&sessions, "s1", 1).await;
+    let history = stack.step_history("s1").await;
+    assert!(
+        executed(&history)
+            .iter()
+            .any(|s| s == step::CALL_SINGLE_ATTEMPT_TOOL),
+        "a non-idempotent write takes the single-attempt path"
+    );
+}
+
+/// A session client on its own SQLite store (not the stack's), run by the
+/// stack's registry: a test can reach that store's writer.
+fn client_on_own_store(
+    stack: &SessionStack,
+    flow_type: &str,
+) -> (dexa::store::sqlite::SqliteStore, AgentSessionClient) {
+    let store = dexa::store::sqlite::SqliteStore::open(
+        stack.dir.path().join("own.sqlite"),
+        Default::default(),
+    )
+    .unwrap_or_else(|err| panic!("open store: {err}"));
+    let client = dexa::flow::FlowClient::new(Arc::new(store.clone()), stack.registry.clone());
+    (store, AgentSessionClient::new(client, flow_type))
+}
+
+#[tokio::test]
+async fn snapshots_and_message_pages_do_not_wait_for_the_store_writer() {
+    let stack = SessionStack::new(vec![AgentSpec::scripted("Reader")]).await;
+    let (store, sessions) = client_on_own_store(&stack, "Reader");
+    sessions.start_session("s1", "").await.unwrap();
+    assert!(sessions.send_user_message("s1", "hello").await.unwrap());
+    // A viewer that has polled before holds a pooled read connection.
+    sessions.get_agent_snapshot("s1").await.unwrap();
+
+    // A slow commit holds the writer; the viewer polls meanwhile.
+    let hold = Duration::from_secs(3);
+    store.hold_writer_for_test(hold).await.unwrap();
+    let held_at = Instant::now();
+    let snapshot = sessions.get_agent_snapshot("s1").await.unwrap();
+    let page = sessions
+        .list_agent_messages(
+            "s1",
+            ListAgentMessagesRequest {
+                after_sequence: None,
+                limit: 10,
+            },
+        )
+        .await
+        .unwrap();
+    let read_in = held_at.elapsed();
+    assert!(
+        read_in < Duration::from_secs(1),
+        "the reads waited {read_in:?} for a writer held for {hold:?}"
+    );
+    assert_eq!(snapshot.queued_message_count, 1);
+    assert_eq!(snapshot.flow_status, FlowStatus::Running);
+    assert!(page.messages.is_empty());
+
+    // The writer was held all along: a write queued now waits it out.
+    assert!(sessions.send_user_message("s1", "after").await.unwrap());
+    assert!(
+        held_at.elapsed() >= hold - Duration::from_millis(500),
+        "the write did not wait for the held writer ({:?})",
+        held_at.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn a_read_only_rpc_refuses_every_write() {
+    let stack = SessionStack::new(vec![AgentSpec::scripted("ReadOnly")]).await;
+    let sessions = stack.sessions("ReadOnly");
+    sessions.start_session("s1", "").await.unwrap();
+    let client = stack.flow_client();
+    let set = client
+        .read_rpc("s1", |tx| Ok(tx.set("NOTE", "", json!("x"))?))
+        .await;
+    let delete = client.read_rpc("s1", |tx| Ok(tx.delete("NOTE", "")?)).await;
+    let publish = client
+        .read_rpc("s1", |tx| {
+            Ok(tx.publish(QUEUED_USER_MESSAGES, "", json!({"text": "sneaked in"}))?)
+        })
+        .await;
+    let lock = client
+        .read_rpc("s1", |tx| tx.lock(PENDING_INTERRUPTS))
+        .await;
+    assert!(set.is_err(), "{set:?}");
+    assert!(delete.is_err(), "{delete:?}");
+    assert!(publish.is_err(), "{publish:?}");
+    assert!(lock.is_err(), "{lock:?}");
+    // Reads work in one, and nothing above was written.
+    let (flow, note, queued) = client
+        .read_rpc("s1", |tx| {
+            Ok((
+                tx.flow()?,
+                tx.get("NOTE", "")?,
+                tx.channel_len(QUEUED_USER_MESSAGES, "")?,
+            ))
+        })
+        .await
+        .unwrap();
+    assert_eq!(flow.map(|f| f.status), Some(FlowStatus::Running));
+    assert_eq!(note, None);
+    assert_eq!(queued, 0);
+}
+
+#[tokio::test]
+async fn a_user_message_over_the_cap_is_refused_before_anything_is_queued() {
+    let stack = SessionStack::new(vec![AgentSpec::scripted("Big")]).await;
+    let sessions = stack.sessions("Big");
+    let over = "x".repeat(MAX_USER_MESSAGE_BYTES + 1);
+    let started = sessions.start_session("s1", &over).await;
+    assert!(
+        matches!(
+            started,
+            Err(SessionError::MessageTooLarge { bytes, limit })
+                if bytes == MAX_USER_MESSAGE_BYTES + 1 && limit == MAX_USER_MESSAGE_BYTES
+        ),
+        "{started:?}"
+    );
+    assert!(
+        stack.store.flow("s1").await.unwrap().is_none(),
+        "no session was created"
+    );
+    sessions.start_session("s1", "").await.unwrap();
+    assert!(matches!(
+        sessions.send_user_message("s1", &over).await,
+        Err(SessionError::MessageTooLarge { .. })
+    ));
+    assert!(matches!(
+        sessions
+            .send_user_message_with_key("s1", &over, Some("big"))
+            .await,
+        Err(SessionError::MessageTooLarge { .. })
+    ));
+    // At the cap is fine.
+    let at_cap = "x".repeat(MAX_USER_MESSAGE_BYTES);
+    assert!(sessions.send_user_message("s1", &at_cap).await.unwrap());
+    // A deployment can set a lower cap.
+    let strict = stack.sessions("Big").with_max_user_message_bytes(10);
+    assert!(matches!(
+        strict.send_user_message("s1", "eleven byte").await,
+        Err(SessionError::MessageTooLarge {
+            bytes: 11,
+            limit: 10
+        })
+    ));
+    assert_eq!(
+        stack
+            .store
+            .channel_len("s1", QUEUED_USER_MESSAGES, "")
+            .await
+            .unwrap(),
+        1,
+        "only the message at the cap was queued"
+    );
+}
+
+#[tokio::test]
+async fn a_user_message_at_the_cap_fits_build_user_message_whatever_it_holds() {
+    let stack = started(vec![AgentSpec::scripted("AtCap")]).await;
+    let sessions = stack.sessions("AtCap");
+    // Control characters are the worst case: JSON escapes each as 6 bytes,
+    // and the runner returns the text both raw and inside its JSON item.
+    let text = "\u{1}".repeat(MAX_USER_MESSAGE_BYTES);
+    sessions.start_session("s1", &text).await.unwrap();
+    let snapshot = wait_for_turns(&sessions, "s1", 1).await;
+    let state = snapshot.state.clone().unwrap();
+    assert_eq!(state.last_turn_error, None);
+    assert_eq!(snapshot.flow_status, FlowStatus::Running);
+    let user = dexa_tests::session::texts_of(&snapshot, MessageRole::User);
+    assert_eq!(
+        user.iter().map(String::len).collect::<Vec<_>>(),
+        vec![MAX_USER_MESSAGE_BYTES]
+    );
+}
+
+#[tokio::test]
+async fn an_idempotency_key_holds_for_every_store_handle_and_a_bad_key_is_refused() {
+    let stack = SessionStack::new(vec![AgentSpec::scripted("Keys")]).await;
+    let sessions = stack.sessions("Keys");
+    sessions.start_session("s1", "").await.unwrap();
+    // Another handle on the same file, as another process opens it.
+    let other = dexa::store::sqlite::SqliteStore::open(
+        stack.dir.path().join("store.sqlite"),
+        Default::default(),
+    )
+    .unwrap();
+    let elsewhere = AgentSessionClient::new(
+        dexa::flow::FlowClient::new(Arc::new(other), stack.registry.clone()),
+        "Keys",
+    );
+    let send = |client: &AgentSessionClient, text: &str, key: &str| {
+        let (client, text, key) = (client.clone(), text.to_string(), key.to_string());
+        async move {
+            client
+                .send_user_message_with_key("s1", &text, Some(key.as_str()))
+                .await
+        }
+    };
+    assert_eq!(
+        send(&sessions, "pay", "k-1").await.unwrap(),
+        SendOutcome::Queued
+    );
+    assert_eq!(
+        send(&elsewhere, "pay", "k-1").await.unwrap(),
+        SendOutcome::Replayed
+    );
+    let reused = send(&elsewhere, "pay twice", "k-1").await;
+    assert!(
+        matches!(reused, Err(SessionError::IdempotencyKeyReused { .. })),
+        "{reused:?}"
+    );
+    let too_long = "k".repeat(MAX_IDEMPOTENCY_KEY_BYTES + 1);
+    let bad: [&str; 6] = ["", " k", "k ", "clé", "a\tb", too_long.as_str()];
+    for key in bad {
+        let refused = send(&sessions, "pay", key).await;
+        assert!(
+            matches!(refused, Err(SessionError::InvalidIdempotencyKey(_))),
+            "{key:?}: {refused:?}"
+        );
+    }
+    let longest = "~".repeat(MAX_IDEMPOTENCY_KEY_BYTES);
+    assert_eq!(
+        send(&sessions, "pay", longest.as_str()).await.unwrap(),
+        SendOutcome::Queued
+    );
+    // Blank text queues nothing and records no key.
+    assert_eq!(
+        send(&sessions, "  ", "k-blank").await.unwrap(),
+        SendOutcome::Blank
+    );
+    assert_eq!(
+        send(&sessions, "now", "k-blank").await.unwrap(),
+        SendOutcome::Queued
+    );
+    assert_eq!(
+        stack
+            .store
+            .channel_len("s1", QUEUED_USER_MESSAGES, "")
+            .await
+            .unwrap(),
+        3
+    );
+    // A stopped session still recognises a retry.
+    sessions.stop_session("s1").await.unwrap();
+    assert_eq!(
+        send(&sessions, "pay", "k-1").await.unwrap(),
+        SendOutcome::Replayed
+    );
+    assert!(matches!(
+        send(&sessions, "pay", "k-new").await,
+        Err(SessionError::NotRunning { .. })
+    ));
+}
+
+#[tokio::test]
+async fn a_session_remembers_at_most_its_newest_idempotency_keys() {
+    let stack = SessionStack::new(vec![AgentSpec::scripted("ManyKeys")]).await;
+    let sessions = stack.sessions("ManyKeys");
+    sessions.start_session("s1", "").await.unwrap();
+    let cap = MAX_IDEMPOTENCY_KEYS as usize;
+    for n in 0..cap + 5 {
+        let outcome = sessions
+            .send_user_message_with_key("s1", &format!("m{n}"), Some(format!("k-{n}").as_str()))
+            .await
+            .unwrap();
+        assert_eq!(outcome, SendOutcome::Queued, "k-{n}");
+    }
+    for name in [IDEMPOTENCY_KEYS, IDEMPOTENCY_KEY_ORDER] {
+        let kept = stack
+            .store
+            .read_map("s1", name, MapQuery::default())
+            .await
+            .unwrap();
+        assert_eq!(kept.len(), cap, "{name}");
+    }
+    // The newest and the oldest kept are remembered; the five before are not.
+    let newest = format!("k-{}", cap + 4);
+    let replayed = sessions
+        .send_user_message_with_key("s1", &format!("m{}", cap + 4), Some(newest.as_str()))
+        .await
+        .unwrap();
+    assert_eq!(replayed, SendOutcome::Replayed);
+    let replayed = sessions
+        .send_user_message_with_key("s1", "m5", Some("k-5"))
+        .await
+        .unwrap();
+    assert_eq!(replayed, SendOutcome::Replayed);
+    let forgotten = sessions
+        .send_user_message_with_key("s1", "m0", Some("k-0"))
+        .await
+        .unwrap();
+    assert_eq!(forgotten, SendOutcome::Queued);
+    let kept = stack
+        .store
+        .read_map("s1", IDEMPOTENCY_KEYS, MapQuery::default())
+        .await
+        .unwrap();
+    assert_eq!(kept.len(), cap);
+    assert_eq!(
+        stack
+            .store
+            .channel_len("s1", QUEUED_USER_MESSAGES, "")
+            .await
+            .unwrap(),
+        (cap + 6) as u64
+    );
+}
+
+/// A long answer streamed token by token is stored as a few merged delta
+/// entries, each at most 4 KiB, not one row per token.
+#[tokio::test]
+async fn a_ten_thousand_delta_answer_is_stored_in_a_few_rows() {
+    let stack = started(vec![echo_agent("Deltas")]).await;
+    let sessions = stack.sessions("Deltas");
+    let deltas: Vec<String> = (0..10_000).map(|n| format!("t{} ", n % 10)).collect();
+    sessions
+        .start_session(
+            "s1",
+            &turn(json!([{"text": deltas.concat(), "deltas": deltas}])),
+        )
+        .await
+        .unwrap();
+    wait_for_turns(&sessions, "s1", 1).await;
+    let rows: Vec<AgentEvent> = all_events(&sessions, "s1")
+        .await
+        .into_iter()
+        .filter(|e| e.event_type == event_type::TEXT_DELTA)
+        .collect();
+    let streamed: String = rows
+        .iter()
+        .filter_map(|e| e.data["text"].as_str())
+        .collect();
+    assert_eq!(streamed, deltas.concat(), "every token, in order");
+    println!(
+        "10,000 deltas ({} bytes) stored as {} rows",
+        streamed.len(),
+        rows.len()
+    );
+    assert!(rows.len() <= 100, "{} rows for 10,000 deltas", rows.len());
+    assert!(rows
+        .iter()
+        .all(|e| e.data["text"].as_str().map_or(0, str::len) <= 4096));
+}
+
+/// A runner's tool events about a call the host runs (one already deferred,
+/// or one it defers in the same response) are refused; those about tools its
+/// framework ran itself are kept, marked as the guest's.
+#[tokio::test]
+async fn a_runner_cannot_report_the_hosts_tool_calls() {
+    let stack = started(vec![echo_agent("Forger")]).await;
+    let sessions = stack.sessions("Forger");
+    let script = turn(json!([
+        {"tool_events": ["c1", "inner-1"], "tool_calls": [tool_call("c1", "echo", json!({}), "read")]},
+        {"tool_events": ["c1", "inner-2"], "text": "done"}
+    ]));
+    sessions.start_session("s1", &script).await.unwrap();
+    wait_for_turns(&sessions, "s1", 1).await;
+    let events = all_events(&sessions, "s1").await;
+    let tool_events = |id: &str| -> Vec<(String, Option<String>)> {
+        events
+            .iter()
+            .filter(|e| {
+                (e.event_type == event_type::TOOL_CALL_STARTED
+                    || e.event_type == event_type::TOOL_CALL_FINISHED)
+                    && e.data["tool_call_id"] == json!(id)
+            })
+            .map(|e| (e.event_type.clone(), e.origin.clone()))
+            .collect()
+    };
+    assert_eq!(
+        tool_events("c1"),
+        vec![
+            (event_type::TOOL_CALL_STARTED.to_string(), None),
+            (event_type::TOOL_CALL_FINISHED.to_string(), None)
+        ],
+        "only the host's own, once each"
+    );
+    for inner in ["inner-1", "inner-2"] {
+        let guest = Some(ORIGIN_GUEST.to_string());
+        assert_eq!(
+            tool_events(inner),
+            vec![
+                (event_type::TOOL_CALL_STARTED.to_string(), guest.clone()),
+                (event_type::TOOL_CALL_FINISHED.to_string(), guest)
+            ],
+            "{inner}: kept, marked as the runner's"
+        );
+    }
 }

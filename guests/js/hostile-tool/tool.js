@@ -6,7 +6,7 @@
 // - `js_memory_bomb`: allocates 1 MiB buffers until something gives;
 // - `js_recurse`: unbounded recursion;
 // - `js_big_output`: returns `megabytes` MiB of text;
-// - `js_event_flood`: writes events until the host stops it;
+// - `js_event_flood`: writes 13 MB of events, far over its budget;
 // - `js_trap`: throws an Error that nothing catches.
 
 import { writeEvent } from "dex:agents/events@0.1.0";
@@ -49,9 +49,10 @@ export function call(call) {
       return "x".repeat(args.megabytes << 20);
     case "js_event_flood": {
       const payload = JSON.stringify({ pad: "y".repeat(65536) });
-      for (;;) {
+      for (let i = 0; i < 200; i++) {
         writeEvent("flood", payload);
       }
+      return "flooded";
     }
     case "js_trap":
       throw new Error("js-hostile-tool throws on purpose");

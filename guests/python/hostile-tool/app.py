@@ -9,7 +9,7 @@ caught, so an exception traps the instance as it would in careless code.
 - `py_read_env`: `os.environ[name]`;
 - `py_tcp_connect`: a TCP `connect` to `ip:port`;
 - `py_big_output`: returns `megabytes` MiB of text;
-- `py_event_flood`: writes events until the host stops it;
+- `py_event_flood`: writes 13 MB of events, far over its budget;
 - `py_trap`: raises an exception that nothing catches.
 """
 
@@ -75,8 +75,9 @@ class WitWorld(wit_world.WitWorld):
             return "x" * (int(args["megabytes"]) << 20)
         if name == "py_event_flood":
             payload = json.dumps({"pad": "y" * 65536})
-            while True:
+            for _ in range(200):
                 events.write_event("flood", payload)
+            return "flooded"
         if name == "py_trap":
             raise RuntimeError("py-hostile-tool raises on purpose")
         raise KeyError(name)

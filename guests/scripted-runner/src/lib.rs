@@ -29,7 +29,9 @@
 //! `"run_state": "..."` (overrides the run state it returns, to test the host's
 //! checks), `"log": "name"` (appends `name <flow>/<turn>#<attempt>` to
 //! `/gates/invocations.log`, to count model calls across processes),
-//! `"sleep_ms": N` (then waits, like a model's latency) and
+//! `"sleep_ms": N` (then waits, like a model's latency), `"tool_events":
+//! ["id", ...]` (writes a started and a succeeded finished tool event for
+//! each id, as a framework running its own tools would) and
 //! `"gate": "name"` (logs the same way, creates `/gates/<name>.reached` and
 //! waits up to 60 s for `/gates/<name>.release`; crash tests kill the worker
 //! there). Both need `/gates` granted. `effect` is the framework effect passed to `resolve-tool-policy`;
@@ -40,7 +42,7 @@
 
 use dex::agents::types::{
     AgentMessage, DeferredToolCall, MessageRole, ModelMessage, ModelRequest, ModelToolCall,
-    ToolCallRecord, ToolCallsRequested, ToolEffect, TurnCompleted, Usage,
+    ToolCallRecord, ToolCallStatus, ToolCallsRequested, ToolEffect, TurnCompleted, Usage,
 };
 use dex::agents::{config, events, model, policy, step};
 use serde::{Deserialize, Serialize};
@@ -85,6 +87,9 @@ struct StepScript {
     /// Milliseconds to wait first, like a model's latency.
     #[serde(default)]
     sleep_ms: u64,
+    /// Tool call ids to write started/finished events for.
+    #[serde(default)]
+    tool_events: Vec<String>,
 }
 
 #[derive(Deserialize, Clone)]
@@ -399,6 +404,11 @@ impl Guest for ScriptedRunner {
 
         if step_script.heartbeat {
             step::heartbeat();
+        }
+        // A framework reporting tools it ran itself (or forging the host's).
+        for id in &step_script.tool_events {
+            events::write_tool_call_started(id, "inner");
+            events::write_tool_call_finished(id, "inner", ToolCallStatus::Succeeded);
         }
         let call = format!("{}/{}#{}", turn.flow_id, turn.turn_id, turn.attempt);
         if let Some(name) = &step_script.log {

@@ -110,6 +110,21 @@ impl From<SessionError> for ApiError {
             SessionError::NotRunning { .. } => {
                 Self::new(StatusCode::CONFLICT, "not_running", err.to_string())
             }
+            SessionError::MessageTooLarge { .. } => Self::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "message_too_large",
+                err.to_string(),
+            ),
+            SessionError::InvalidIdempotencyKey(_) => Self::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_idempotency_key",
+                err.to_string(),
+            ),
+            SessionError::IdempotencyKeyReused { .. } => Self::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "idempotency_key_reused",
+                err.to_string(),
+            ),
             SessionError::Flow(err) => err.into(),
             SessionError::Rpc(err) => err.into(),
         }

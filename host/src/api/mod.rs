@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::rejection::{JsonRejection, QueryRejection};
-use axum::extract::{Path, Query, Request, State};
+use axum::extract::{DefaultBodyLimit, Path, Query, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::Next;
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -31,7 +31,7 @@ use crate::config::Deployment;
 use crate::flow::FlowInfo;
 use crate::session::{
     new_session_id, AgentEvent, AgentSessionClient, ListAgentMessagesRequest,
-    ResolveInterruptRequest,
+    ResolveInterruptRequest, SendOutcome,
 };
 
 /// How often an SSE stream looks for new events (other processes write them).
@@ -40,6 +40,15 @@ const EVENT_POLL: Duration = Duration::from_millis(50);
 const VIEWER: &str = include_str!("viewer.html");
 /// Longest accepted session id.
 const MAX_SESSION_ID: usize = 200;
+/// The largest request body, in bytes; a larger one gets a typed 413
+/// (`payload_too_large`) and nothing is done. It holds any JSON encoding of
+/// a user message at the session client's cap
+/// ([`crate::session::MAX_USER_MESSAGE_BYTES`], escaped at up to 6 bytes a
+/// byte), so a message over that cap but under this limit gets the more
+/// precise `message_too_large`.
+pub const MAX_REQUEST_BODY_BYTES: usize = 2 << 20;
+/// The header that makes a send idempotent (see `send_message`).
+const IDEMPOTENCY_KEY: &str = "idempotency-key";
 
 /// What every handler shares.
 #[derive(Clone)]
@@ -86,6 +95,9 @@ pub fn router(state: ApiState) -> Router {
                 "this route does not take that method; see /openapi.json",
             )
         })
+        // Set here rather than left to axum's default, so that the limit is
+        // a documented part of the API; `body` turns its rejection into JSON.
+        .layer(DefaultBodyLimit::max(MAX_REQUEST_BODY_BYTES))
         .with_state(state)
 }
 
@@ -111,10 +123,47 @@ async fn require_token(State(state): State<ApiState>, request: Request, next: Ne
     next.run(request).await
 }
 
+/// The JSON body, or a typed error: 413 `payload_too_large` over
+/// [`MAX_REQUEST_BODY_BYTES`], else 400.
 fn body<T>(payload: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> {
-    payload
-        .map(|Json(value)| value)
-        .map_err(|rejection| ApiError::bad_request(rejection.body_text()))
+    payload.map(|Json(value)| value).map_err(|rejection| {
+        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "payload_too_large",
+                format!(
+                    "the request body is over the limit of {MAX_REQUEST_BODY_BYTES} bytes; \
+                     nothing was done"
+                ),
+            )
+        } else {
+            ApiError::bad_request(rejection.body_text())
+        }
+    })
+}
+
+/// The `Idempotency-Key` header, if sent. Several of them, or one that is
+/// not visible ASCII, is a 400 `invalid_idempotency_key`; the session client
+/// checks the rest (length, characters).
+fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+    let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
+    let Some(value) = values.next() else {
+        return Ok(None);
+    };
+    let invalid = |message: &str| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_idempotency_key",
+            message.to_string(),
+        )
+    };
+    if values.next().is_some() {
+        return Err(invalid("send one Idempotency-Key header, not several"));
+    }
+    let key = value
+        .to_str()
+        .map_err(|_| invalid("Idempotency-Key must be printable ASCII"))?;
+    Ok(Some(key.to_string()))
 }
 
 fn query<T>(params: Result<Query<T>, QueryRejection>) -> Result<T, ApiError> {
@@ -265,20 +314,35 @@ struct SendMessageBody {
     text: String,
 }
 
+/// Queues a user message. With an `Idempotency-Key` header, at most once per
+/// key and session: a retry with the same key and text queues nothing and
+/// gets the first answer, marked `"replayed": true`; the same key with
+/// another text is a 422 `idempotency_key_reused`. The session remembers a
+/// key for at least 24 h (its 1000 newest keys at most).
 async fn send_message(
     State(state): State<ApiState>,
     Path(session_id): Path<String>,
+    headers: HeaderMap,
     payload: Result<Json<SendMessageBody>, JsonRejection>,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
+    let key = idempotency_key(&headers)?;
     let request = body(payload)?;
     let (sessions, _) = state.session(&session_id).await?;
-    if !sessions
-        .send_user_message(&session_id, &request.text)
-        .await?
-    {
-        return Err(ApiError::bad_request("text is blank; nothing was queued"));
-    }
-    Ok((StatusCode::ACCEPTED, Json(json!({"queued": true}))))
+    let outcome = sessions
+        .send_user_message_with_key(&session_id, &request.text, key.as_deref())
+        .await?;
+    let answer = match (outcome, key) {
+        (SendOutcome::Blank, _) => {
+            return Err(ApiError::bad_request("text is blank; nothing was queued"))
+        }
+        (_, None) => json!({"queued": true}),
+        (outcome, Some(key)) => json!({
+            "queued": true,
+            "idempotency_key": key,
+            "replayed": outcome == SendOutcome::Replayed,
+        }),
+    };
+    Ok((StatusCode::ACCEPTED, Json(answer)))
 }
 
 #[derive(Deserialize)]

@@ -3,6 +3,8 @@
 
 use serde_json::{json, Value};
 
+use crate::session::{MAX_IDEMPOTENCY_KEYS, MAX_IDEMPOTENCY_KEY_BYTES, MAX_USER_MESSAGE_BYTES};
+
 fn error_responses(codes: &[u16]) -> Value {
     let mut responses = serde_json::Map::new();
     for code in codes {
@@ -11,6 +13,8 @@ fn error_responses(codes: &[u16]) -> Value {
             401 => "No valid bearer token",
             404 => "No such agent or session",
             409 => "Conflict: the session exists, is not running, or a Step holds a lock",
+            413 => "Too large: the request body is over the server's limit (`payload_too_large`), or the user message over the session's cap (`message_too_large`); nothing was queued or started",
+            422 => "The Idempotency-Key was used before on this session with another text (`idempotency_key_reused`); nothing was queued",
             _ => "Error",
         };
         responses.insert(
@@ -58,7 +62,7 @@ pub fn document() -> Value {
                 "operationId": "startSession", "summary": "Start a session; a non-blank message starts its first turn",
                 "parameters": [{"name": "agent", "in": "path", "required": true, "schema": {"type": "string"}}],
                 "requestBody": json_body("StartSession"),
-                "responses": with_errors(json!({"201": json_ok("Started", "SessionStarted")}), &[400, 401, 404, 409])
+                "responses": with_errors(json!({"201": json_ok("Started", "SessionStarted")}), &[400, 401, 404, 409, 413])
             }},
             "/v1/sessions": {"get": {
                 "operationId": "listSessions", "summary": "Sessions, newest first",
@@ -85,16 +89,28 @@ pub fn document() -> Value {
                 },
                 "post": {
                     "operationId": "sendUserMessage", "summary": "Queue a user message; it starts the next turn",
-                    "parameters": [session_param()],
+                    "description": format!(
+                        "With an `Idempotency-Key` header the send acts at most once per key and session: \
+                         a retry with the same key and text queues nothing and gets the first answer \
+                         (202, with `\"replayed\": true`); the same key with another text is a 422. \
+                         A session remembers a key for at least 24 hours, and at most its {MAX_IDEMPOTENCY_KEYS} newest keys. \
+                         A text over {MAX_USER_MESSAGE_BYTES} bytes is a 413 and nothing is queued."
+                    ),
+                    "parameters": [
+                        session_param(),
+                        {"name": "Idempotency-Key", "in": "header", "required": false,
+                         "description": format!("1 to {MAX_IDEMPOTENCY_KEY_BYTES} printable ASCII characters, no space at either end; a bad key is a 400 `invalid_idempotency_key`"),
+                         "schema": {"type": "string", "minLength": 1, "maxLength": MAX_IDEMPOTENCY_KEY_BYTES}}
+                    ],
                     "requestBody": json_body("SendMessage"),
-                    "responses": with_errors(json!({"202": json_ok("Queued", "Queued")}), &[400, 401, 404, 409])
+                    "responses": with_errors(json!({"202": json_ok("Queued (or, for a retried key, queued before)", "Queued")}), &[400, 401, 404, 409, 413, 422])
                 }
             },
             "/v1/sessions/{session_id}/interrupts": {"post": {
                 "operationId": "resolveInterrupt", "summary": "Approve or reject a pending tool call",
                 "parameters": [session_param()],
                 "requestBody": json_body("ResolveInterrupt"),
-                "responses": with_errors(json!({"200": json_ok("Whether it was pending and is now resolved", "Resolved")}), &[400, 401, 404, 409])
+                "responses": with_errors(json!({"200": json_ok("Whether it was pending and is now resolved", "Resolved")}), &[400, 401, 404, 409, 413])
             }},
             "/v1/sessions/{session_id}/stop": {"post": {
                 "operationId": "stopSession", "summary": "Stop the session; its state stays readable",
@@ -127,18 +143,21 @@ pub fn document() -> Value {
 fn schemas() -> Value {
     json!({
         "Error": {"type": "object", "required": ["error"], "properties": {"error": {"type": "object", "required": ["code", "message"], "properties": {
-            "code": {"type": "string", "enum": ["bad_request", "unauthorized", "not_found", "already_exists", "conflict", "not_running", "busy", "method_not_allowed", "store_unavailable", "internal"]},
+            "code": {"type": "string", "enum": ["bad_request", "unauthorized", "not_found", "already_exists", "conflict", "not_running", "busy", "method_not_allowed", "store_unavailable", "internal", "payload_too_large", "message_too_large", "invalid_idempotency_key", "idempotency_key_reused"]},
             "message": {"type": "string"}}}}},
         "AgentList": {"type": "object", "properties": {"agents": {"type": "array", "items": {"type": "object", "properties": {
             "name": {"type": "string"}, "runner": {"type": "string"}, "tool_components": {"type": "array", "items": {"type": "string"}}, "model": {"type": ["string", "null"]}}}}}},
-        "StartSession": {"type": "object", "properties": {"session_id": {"type": "string", "description": "Generated when absent"}, "message": {"type": "string"}}, "additionalProperties": false},
+        "StartSession": {"type": "object", "properties": {"session_id": {"type": "string", "description": "Generated when absent"}, "message": {"type": "string", "description": format!("At most {MAX_USER_MESSAGE_BYTES} bytes of UTF-8")}}, "additionalProperties": false},
         "SessionStarted": {"type": "object", "properties": {"session_id": {"type": "string"}, "agent": {"type": "string"}}},
         "SessionList": {"type": "object", "properties": {"sessions": {"type": "array", "items": {"type": "object", "properties": {
             "session_id": {"type": "string"}, "agent": {"type": "string"}, "status": {"$ref": "#/components/schemas/FlowStatus"},
             "created_at": {"type": "integer"}, "updated_at": {"type": "integer"}, "error": {"type": ["string", "null"]}}}}}},
         "FlowStatus": {"type": "string", "enum": ["running", "completed", "failed", "stopped"]},
-        "SendMessage": {"type": "object", "required": ["text"], "properties": {"text": {"type": "string"}}, "additionalProperties": false},
-        "Queued": {"type": "object", "properties": {"queued": {"type": "boolean"}}},
+        "SendMessage": {"type": "object", "required": ["text"], "properties": {"text": {"type": "string", "description": format!("At most {MAX_USER_MESSAGE_BYTES} bytes of UTF-8")}}, "additionalProperties": false},
+        "Queued": {"type": "object", "required": ["queued"], "properties": {
+            "queued": {"type": "boolean"},
+            "idempotency_key": {"type": "string", "description": "The request's Idempotency-Key; only when it sent one"},
+            "replayed": {"type": "boolean", "description": "Only with an Idempotency-Key: true when a message with this key was queued before and nothing was queued now"}}},
         "ResolveInterrupt": {"type": "object", "required": ["interrupt_id", "approved"], "properties": {
             "interrupt_id": {"type": "string", "description": "<turn_id>/<tool_call_id>"}, "approved": {"type": "boolean"}, "rejection_message": {"type": ["string", "null"]}}},
         "Resolved": {"type": "object", "properties": {"resolved": {"type": "boolean"}}},

@@ -193,10 +193,18 @@ impl Chat {
             if line == "/quit" || line == "/exit" {
                 return Ok(());
             }
-            self.sessions
+            match self
+                .sessions
                 .send_user_message(&self.session_id, line)
-                .await?;
-            self.follow_turn().await?;
+                .await
+            {
+                Ok(_) => self.follow_turn().await?,
+                // Refused before it was queued: say why and keep talking.
+                Err(err @ crate::session::SessionError::MessageTooLarge { .. }) => {
+                    println!("dexa: {err}");
+                }
+                Err(err) => return Err(err.into()),
+            }
         }
     }
 
@@ -250,10 +258,15 @@ impl Chat {
                             println!();
                             in_text = false;
                         }
-                        println!("  [tool {} started]", field("tool_name"));
+                        println!("  [{}tool {} started]", by(&event), field("tool_name"));
                     }
                     event_type::TOOL_CALL_FINISHED => {
-                        println!("  [tool {} {}]", field("tool_name"), field("status"));
+                        println!(
+                            "  [{}tool {} {}]",
+                            by(&event),
+                            field("tool_name"),
+                            field("status")
+                        );
                     }
                     event_type::INTERRUPT_RAISED => {
                         if in_text {
@@ -322,5 +335,15 @@ impl Chat {
             }
             return Ok(());
         }
+    }
+}
+
+/// How a tool event is labelled: a runner's own report of a tool its
+/// framework ran says so, so that it is never read as the host's record.
+pub(crate) fn by(event: &crate::session::AgentEvent) -> &'static str {
+    if event.origin.is_some() {
+        "runner's "
+    } else {
+        ""
     }
 }

@@ -45,7 +45,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
             component.path.display()
         );
     }
-    let StoreUrl::Sqlite(store_path) = config.store.clone();
+    let StoreUrl::Sqlite(store_path, _) = config.store.clone();
     println!("store: {} (embedded SQLite)", store_path.display());
     println!("loading components (the first run compiles each, a few seconds each)...");
     let started = Instant::now();
@@ -91,12 +91,14 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
                     print!("{}", field("text"));
                 }
                 event_type::TOOL_CALL_STARTED => println!(
-                    "  [tool {} {} started]",
+                    "  [{}tool {} {} started]",
+                    super::chat::by(&event),
                     field("tool_name"),
                     field("tool_call_id")
                 ),
                 event_type::TOOL_CALL_FINISHED => println!(
-                    "  [tool {} {} {}]",
+                    "  [{}tool {} {} {}]",
+                    super::chat::by(&event),
                     field("tool_name"),
                     field("tool_call_id"),
                     field("status")

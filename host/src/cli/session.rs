@@ -10,7 +10,9 @@ use clap::{Args, Subcommand};
 use serde_json::json;
 
 use crate::config::{Deployment, DexaConfig};
-use crate::session::{new_session_id, AgentSessionClient, AgentSnapshot, ResolveInterruptRequest};
+use crate::session::{
+    new_session_id, AgentSessionClient, AgentSnapshot, ResolveInterruptRequest, SendOutcome,
+};
 
 #[derive(Args, Debug)]
 pub struct SessionArgs {
@@ -50,7 +52,16 @@ pub enum SessionCommand {
         messages: usize,
     },
     /// Queue a user message.
-    Send { session_id: String, text: String },
+    Send {
+        session_id: String,
+        text: String,
+        /// Queue it at most once per KEY on this session: a script that
+        /// retries the same send with the same key (after a timeout, say)
+        /// queues nothing the second time. 1 to 255 printable ASCII
+        /// characters; the session remembers a key for at least 24 h.
+        #[arg(long, value_name = "KEY")]
+        idempotency_key: Option<String>,
+    },
     /// Approve a pending tool call (the only one when no id is given).
     Approve {
         session_id: String,
@@ -150,12 +161,31 @@ pub async fn run(args: SessionArgs) -> anyhow::Result<()> {
             let value = serde_json::to_value(&snapshot)?;
             print(value, describe(&snapshot, messages));
         }
-        SessionCommand::Send { session_id, text } => {
+        SessionCommand::Send {
+            session_id,
+            text,
+            idempotency_key,
+        } => {
             let sessions = session_client(&deployment, &session_id).await?;
-            if !sessions.send_user_message(&session_id, &text).await? {
-                bail!("the message is blank; nothing was queued");
+            let outcome = sessions
+                .send_user_message_with_key(&session_id, &text, idempotency_key.as_deref())
+                .await?;
+            match (outcome, idempotency_key) {
+                (SendOutcome::Blank, _) => bail!("the message is blank; nothing was queued"),
+                (_, None) => print(json!({"queued": true}), "queued".to_string()),
+                (outcome, Some(key)) => {
+                    let replayed = outcome == SendOutcome::Replayed;
+                    let text = if replayed {
+                        format!("already queued with idempotency key {key:?}; nothing queued now")
+                    } else {
+                        "queued".to_string()
+                    };
+                    print(
+                        json!({"queued": true, "idempotency_key": key, "replayed": replayed}),
+                        text,
+                    );
+                }
             }
-            print(json!({"queued": true}), "queued".to_string());
         }
         SessionCommand::Approve {
             session_id,

@@ -74,7 +74,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
             }
         }));
     }
-    let StoreUrl::Sqlite(store) = &deployment.config.store;
+    let StoreUrl::Sqlite(store, _) = &deployment.config.store;
     let agents: Vec<&String> = deployment.config.agents.keys().collect();
     eprintln!(
         "worker {} ready: {} slots, agents {agents:?}, store {}",

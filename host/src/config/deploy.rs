@@ -194,8 +194,8 @@ impl Deployment {
 
 fn open_store(config: &DexaConfig) -> anyhow::Result<Arc<dyn FlowStore>> {
     match &config.store {
-        StoreUrl::Sqlite(path) => {
-            let store = SqliteStore::open(path, Default::default())
+        StoreUrl::Sqlite(path, options) => {
+            let store = SqliteStore::open(path, options.clone())
                 .with_context(|| format!("cannot open the SQLite store {}", path.display()))?;
             Ok(Arc::new(store))
         }

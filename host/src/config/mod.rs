@@ -4,7 +4,9 @@
 //! the line.
 //!
 //! ```toml
-//! store = "sqlite:.dexa/dexa.sqlite"      # the default
+//! store = "sqlite:.dexa/dexa.sqlite"      # the default; append
+//!                                         # ?synchronous=full to fsync
+//!                                         # every commit (power loss)
 //! cache_dir = ".dexa/cache/components"    # the default
 //!
 //! [worker]
@@ -45,7 +47,8 @@ use toml::Spanned;
 
 use crate::flow::WorkerOptions;
 use crate::plugin::{ComponentLimits, DirAccess, DirGrant, HttpAuthority};
-use crate::session::{AgentSessionOptions, ToolEffect, ToolPolicy};
+use crate::session::{AgentSessionOptions, ToolEffect, ToolPolicy, TurnLimits};
+use crate::store::sqlite::SqliteOptions;
 
 pub use deploy::Deployment;
 
@@ -78,7 +81,8 @@ pub struct DexaConfig {
 /// Where the flows are stored.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StoreUrl {
-    Sqlite(PathBuf),
+    /// `sqlite:PATH[?synchronous=normal|full]`.
+    Sqlite(PathBuf, SqliteOptions),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -299,6 +303,16 @@ struct RawAgent {
     events_capacity: Option<Spanned<u64>>,
     tool_attempt_timeout: Option<Spanned<String>>,
     model_step_timeout: Option<Spanned<String>>,
+    turn_limits: Option<RawTurnLimits>,
+}
+
+/// `turn_limits = { tool_calls = 256, messages = 1024, tool_output = "512KiB" }`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTurnLimits {
+    tool_calls: Option<Spanned<u32>>,
+    messages: Option<Spanned<u32>>,
+    tool_output: Option<Spanned<ByteSize>>,
 }
 
 // ---- parsing ------------------------------------------------------------------
@@ -333,9 +347,12 @@ impl DexaConfig {
         };
 
         let store = match &raw.store {
-            None => StoreUrl::Sqlite(base.join(".dexa").join("dexa.sqlite")),
+            None => StoreUrl::Sqlite(
+                base.join(".dexa").join("dexa.sqlite"),
+                SqliteOptions::default(),
+            ),
             Some(url) => parse_store_url(url.get_ref())
-                .map(|path| StoreUrl::Sqlite(resolve(&path)))
+                .map(|(path, options)| StoreUrl::Sqlite(resolve(&path), options))
                 .map_err(|message| loc.at(url.span(), message))?,
         };
         let cache_dir = resolve(raw.cache_dir.as_deref().unwrap_or(".dexa/cache/components"));
@@ -580,6 +597,9 @@ impl DexaConfig {
                 "model_step_timeout",
                 options.model_step_timeout,
             )?;
+            if let Some(raw) = &raw_agent.turn_limits {
+                options.turn_limits = loc.turn_limits(raw)?;
+            }
             agents.insert(
                 name.clone(),
                 AgentConfig {
@@ -645,6 +665,37 @@ impl Locator<'_> {
                 ),
             )
         })
+    }
+
+    /// An agent's turn limits: each given one at least 1, the rest defaulted.
+    fn turn_limits(&self, raw: &RawTurnLimits) -> Result<TurnLimits, ConfigError> {
+        let mut limits = TurnLimits::default();
+        let count = |value: &Spanned<u32>, what: &str| -> Result<u32, ConfigError> {
+            match *value.get_ref() {
+                0 => Err(self.at(
+                    value.span(),
+                    format!("turn_limits.{what} must be at least 1"),
+                )),
+                n => Ok(n),
+            }
+        };
+        if let Some(v) = &raw.tool_calls {
+            limits.tool_calls = count(v, "tool_calls")?;
+        }
+        if let Some(v) = &raw.messages {
+            limits.messages = count(v, "messages")?;
+        }
+        if let Some(v) = &raw.tool_output {
+            let bytes = v
+                .get_ref()
+                .bytes()
+                .map_err(|m| self.at(v.span(), format!("turn_limits.tool_output: {m}")))?;
+            if bytes == 0 {
+                return Err(self.at(v.span(), "turn_limits.tool_output must be above 0".into()));
+            }
+            limits.tool_output_bytes = bytes;
+        }
+        Ok(limits)
     }
 
     /// A component's limits: each given one checked, the rest defaulted.
@@ -759,8 +810,34 @@ fn config_dir(file: &Path) -> PathBuf {
         .to_path_buf()
 }
 
-/// `sqlite:PATH`, `sqlite://PATH` or a bare path.
-fn parse_store_url(url: &str) -> Result<String, String> {
+/// `sqlite:PATH`, `sqlite://PATH` or a bare path, with optional parameters
+/// after `?`: only `synchronous=normal|full`; any other is refused, so that
+/// a mistyped setting never silently becomes part of the file name.
+fn parse_store_url(url: &str) -> Result<(String, SqliteOptions), String> {
+    let (url, query) = match url.split_once('?') {
+        Some((url, query)) => (url, Some(query)),
+        None => (url, None),
+    };
+    let mut options = SqliteOptions::default();
+    for pair in query.into_iter().flat_map(|q| q.split('&')) {
+        match pair.split_once('=') {
+            Some(("synchronous", value)) => {
+                options.synchronous = value
+                    .parse()
+                    .map_err(|err| format!("store {url:?}: {err}"))?;
+            }
+            _ => {
+                return Err(format!(
+                    "store {url:?}: unknown parameter {pair:?}; a SQLite store takes only synchronous=normal|full"
+                ))
+            }
+        }
+    }
+    let path = parse_store_path(url)?;
+    Ok((path, options))
+}
+
+fn parse_store_path(url: &str) -> Result<String, String> {
     let path = if let Some(rest) = url.strip_prefix("sqlite://") {
         rest
     } else if let Some(rest) = url.strip_prefix("sqlite:") {
@@ -822,6 +899,7 @@ fn locate(file: &Path, text: &str, span: Range<usize>, message: String) -> Confi
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::sqlite::Synchronous;
 
     fn parse(text: &str) -> Result<DexaConfig, ConfigError> {
         DexaConfig::parse("/srv/agents/dexa.toml", text)
@@ -861,7 +939,10 @@ tool_policies = { pay = { effect = "non_idempotent_write", requires_approval = f
         let config = parse(GOOD).unwrap_or_else(|err| panic!("{err}"));
         assert_eq!(
             config.store,
-            StoreUrl::Sqlite("/srv/agents/data/dexa.sqlite".into())
+            StoreUrl::Sqlite(
+                "/srv/agents/data/dexa.sqlite".into(),
+                SqliteOptions::default()
+            )
         );
         assert_eq!(
             config.cache_dir,
@@ -940,7 +1021,10 @@ limits = { memory = "64MiB", fuel = 1_000, max_concurrent_calls = 2, output = 40
         let config = parse("").unwrap_or_else(|err| panic!("{err}"));
         assert_eq!(
             config.store,
-            StoreUrl::Sqlite("/srv/agents/.dexa/dexa.sqlite".into())
+            StoreUrl::Sqlite(
+                "/srv/agents/.dexa/dexa.sqlite".into(),
+                SqliteOptions::default()
+            )
         );
         assert!(config.agents.is_empty());
         assert_eq!(
@@ -951,11 +1035,36 @@ limits = { memory = "64MiB", fuel = 1_000, max_concurrent_calls = 2, output = 40
 
     /// Each bad config names the file, the line and the problem.
     #[test]
+    fn the_store_url_sets_sqlite_durability_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap_or_else(|err| panic!("{err}"));
+        let file = dir.path().join("dexa.toml");
+        for (url, synchronous) in [
+            ("sqlite:db.sqlite", Synchronous::Normal),
+            ("sqlite:db.sqlite?synchronous=full", Synchronous::Full),
+            ("sqlite://db.sqlite?synchronous=NORMAL", Synchronous::Normal),
+        ] {
+            std::fs::write(&file, format!("store = {url:?}\n"))
+                .unwrap_or_else(|err| panic!("{err}"));
+            let config = DexaConfig::load(&file).unwrap_or_else(|err| panic!("{url}: {err}"));
+            let StoreUrl::Sqlite(path, options) = config.store;
+            assert_eq!(
+                path,
+                dir.path().join("db.sqlite"),
+                "{url}: the path has no query"
+            );
+            assert_eq!(options.synchronous, synchronous, "{url}");
+        }
+    }
+
+    #[test]
     fn bad_configs_name_the_file_the_line_and_the_problem() {
         let cases: &[(&str, usize, &str)] = &[
             ("[agents.A]\nrunner = \"nope\"\n", 2, "there is no component \"nope\""),
             ("store = \"postgres://db\"\n", 1, "no PostgreSQL store"),
             ("store = \"mysql://db\"\n", 1, "unknown scheme"),
+            ("store = \"sqlite:db.sqlite?synchronous=fast\"\n", 1, "synchronous must be normal or full"),
+            ("store = \"sqlite:db.sqlite?sync=full\"\n", 1, "unknown parameter \"sync=full\""),
+            ("store = \"sqlite:db.sqlite?synchronous\"\n", 1, "unknown parameter \"synchronous\""),
             ("[worker]\nslots = 0\n", 2, "at least 1"),
             ("[worker]\n\nlease = \"soon\"\n", 3, "not a duration"),
             ("[worker]\nlease = \"0s\"\n", 2, "longer than 0"),
@@ -969,6 +1078,9 @@ limits = { memory = "64MiB", fuel = 1_000, max_concurrent_calls = 2, output = 40
             ("[models.m]\nprovider = \"openai\"\n", 1, "missing field `model`"),
             ("[components.r]\npath = \"r.wasm\"\n[agents.A]\nrunner = \"r\"\ndefault_effect = \"maybe\"\n", 5, "unknown variant `maybe`"),
             ("[components.r]\npath = \"r.wasm\"\n[agents.A]\nrunner = \"r\"\nevents_capacity = 0\n", 5, "at least 1 byte"),
+            ("[components.r]\npath = \"r.wasm\"\n[agents.A]\nrunner = \"r\"\nturn_limits = { tool_calls = 0 }\n", 5, "turn_limits.tool_calls must be at least 1"),
+            ("[components.r]\npath = \"r.wasm\"\n[agents.A]\nrunner = \"r\"\nturn_limits = { tool_output = \"lots\" }\n", 5, "turn_limits.tool_output"),
+            ("[components.r]\npath = \"r.wasm\"\n[agents.A]\nrunner = \"r\"\nturn_limits = { calls = 3 }\n", 5, "unknown field `calls`"),
             ("[agents.A\n", 1, ""),
             ("[components.a]\npath = \"a.wasm\"\nhttp = [\"example.com\"]\n", 3, "must be host:port"),
             ("[components.a]\npath = \"a.wasm\"\nhttp = [\"example.com:0\"]\n", 3, "invalid port"),

@@ -101,6 +101,26 @@ impl FlowClient {
             .map_err(|_| RpcError::Store(StoreError::Backend("rpc returned another type".into())))
     }
 
+    /// Runs `body` in one read-only transaction: one consistent snapshot,
+    /// served without the store's writer (see [`FlowStore::read_rpc`]).
+    /// Every write in `body` fails; a read never meets a lock conflict.
+    pub async fn read_rpc<T, F>(&self, flow_id: &str, body: F) -> Result<T, RpcError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut dyn StateTx) -> Result<T, RpcError> + Send + 'static,
+    {
+        let value = self
+            .store
+            .read_rpc(
+                flow_id,
+                Box::new(move |tx| body(tx).map(|v| Box::new(v) as Box<dyn std::any::Any + Send>)),
+            )
+            .await?;
+        value.downcast::<T>().map(|v| *v).map_err(|_| {
+            RpcError::Store(StoreError::Backend("read_rpc returned another type".into()))
+        })
+    }
+
     /// Runs `body` in one transaction, retrying lock conflicts for up to
     /// [`RPC_LOCK_RETRY`].
     pub async fn rpc<T, F>(&self, flow_id: &str, body: F) -> Result<T, RpcError>

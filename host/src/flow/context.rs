@@ -49,6 +49,11 @@ impl Heartbeat {
             .unwrap_or_else(|_| Instant::now())
     }
 
+    /// Puts back a beat whose record failed, for the next renewal round.
+    pub(crate) fn mark_unrecorded(&self) {
+        self.inner.unrecorded.store(true, Ordering::Release);
+    }
+
     pub(crate) fn take_unrecorded(&self) -> bool {
         self.inner.unrecorded.swap(false, Ordering::AcqRel)
     }

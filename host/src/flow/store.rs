@@ -18,6 +18,10 @@ pub enum StoreError {
     /// The lease was lost: another worker holds the task now, or it is gone.
     #[error("stale lease for task {task_id}: the commit is refused")]
     StaleLease { task_id: i64 },
+    /// A redelivery of the same attempt was refused: the attempt recorded
+    /// output after the reaper looked, so it may have acted; decide again.
+    #[error("task {task_id} recorded output; it cannot be delivered again at the same attempt")]
+    OutputRecorded { task_id: i64 },
     #[error("flow {flow_id} already exists")]
     FlowExists { flow_id: String },
     #[error("flow {flow_id} does not exist")]
@@ -81,7 +85,8 @@ pub enum FailureAction {
         not_before: StoreMillis,
     },
     /// Deliver the same attempt again (the worker was lost before it produced
-    /// anything).
+    /// anything). Refused with [`StoreError::OutputRecorded`] when the attempt
+    /// has recorded output by the time the failure is applied.
     Redeliver,
     /// Give up on the task; run `route` (the failure route), if any, else fail
     /// the flow with `flow_error`.
@@ -217,14 +222,19 @@ pub trait FlowStore: Send + Sync + 'static {
         max: usize,
         lease_ms: i64,
     ) -> Result<Vec<ClaimedTask>, StoreError>;
-    /// Extends the leases a worker holds; returns the task ids it lost.
+    /// Extends the leases a worker holds, as `(task id, lease token)`;
+    /// returns the pairs it lost.
     async fn renew_leases(
         &self,
         worker_id: &str,
         held: &[(i64, i64)],
         lease_ms: i64,
-    ) -> Result<Vec<i64>, StoreError>;
-    /// Records that the Step produced output (a heartbeat), fenced.
+    ) -> Result<Vec<(i64, i64)>, StoreError>;
+    /// Records that the Step produced output (a heartbeat), fenced by the
+    /// lease token and by an unexpired lease: a Step whose lease ran out gets
+    /// `StaleLease` and must not act. Together with [`FailureAction::Redeliver`]
+    /// re-checking that no output was recorded, "output recorded" and
+    /// "redelivered at the same attempt" exclude each other on every backend.
     async fn record_output(&self, task_id: i64, lease_token: i64) -> Result<(), StoreError>;
     /// Records output and appends to a stream in one write: a Step's
     /// durable "started" marker together with its live event.
@@ -300,6 +310,14 @@ pub trait FlowStore: Send + Sync + 'static {
 
     /// Runs `body` in one transaction on `flow_id`'s state.
     async fn rpc(&self, flow_id: &str, body: RpcBody) -> Result<Box<dyn Any + Send>, RpcError>;
+
+    /// Runs `body` in one read-only transaction on `flow_id`'s state: every
+    /// read sees one consistent snapshot, and every write (`set`, `delete`,
+    /// `publish`, `lock`) is refused. Reads that only draw a session (a
+    /// snapshot, a page of messages) must not queue behind Step commits and
+    /// lease renewals on the writer, nor block the async runtime.
+    async fn read_rpc(&self, flow_id: &str, body: RpcBody)
+        -> Result<Box<dyn Any + Send>, RpcError>;
 }
 
 /// Status helpers shared by backends.

@@ -34,6 +34,11 @@ pub struct WorkerOptions {
     /// How often expired leases of dead workers are collected.
     pub reap_interval: Duration,
     pub on_step_committed: Option<StepObserver>,
+    /// Test hook (zero in production): how long the reaper waits between
+    /// reading expired leases and handing them back, which widens the window
+    /// in which a lapsed Step may still record output.
+    #[doc(hidden)]
+    pub reap_pause: Duration,
 }
 
 impl std::fmt::Debug for WorkerOptions {
@@ -61,6 +66,7 @@ impl Default for WorkerOptions {
             poll_interval: Duration::from_millis(250),
             reap_interval: Duration::from_millis(200),
             on_step_committed: None,
+            reap_pause: Duration::ZERO,
         }
     }
 }
@@ -69,12 +75,14 @@ impl Default for WorkerOptions {
 const BUSY_RECHECK: Duration = Duration::from_millis(25);
 
 struct Held {
-    lease_token: i64,
     heartbeat: Heartbeat,
     abort: Option<AbortHandle>,
 }
 
-type HeldTasks = Arc<Mutex<HashMap<i64, Held>>>;
+/// The Steps a worker runs, by task and lease token: a task redelivered to
+/// this same worker while its lapsed first run still winds down is held
+/// twice, and each run's renewal, abort and cleanup must reach only its own.
+type HeldTasks = Arc<Mutex<HashMap<(i64, i64), Held>>>;
 
 /// Runs the Steps of the registry's flow types.
 pub struct Worker {
@@ -202,18 +210,34 @@ impl Worker {
                 return;
             }
         };
+        if !expired.is_empty() && !self.options.reap_pause.is_zero() {
+            tokio::time::sleep(self.options.reap_pause).await;
+        }
         for lease in expired {
             let Ok(now) = self.store.now().await else {
                 return;
             };
             let task = &lease.task;
+            let lost =
+                || retry::after_failure(&self.registry, task, &AttemptError::WorkerLost, now);
             let decision = if lease.output_recorded {
-                retry::after_failure(&self.registry, task, &AttemptError::WorkerLost, now)
+                lost()
             } else {
                 retry::redelivery(task, now)
             };
-            let failure = AttemptFailure::of(task, decision, true);
-            match self.store.fail_attempt(failure).await {
+            let mut outcome = self
+                .store
+                .fail_attempt(AttemptFailure::of(task, decision, true))
+                .await;
+            if let Err(StoreError::OutputRecorded { .. }) = outcome {
+                // The Step recorded output after the look above: it may have
+                // acted, so it gets the next attempt (or its failure route).
+                outcome = self
+                    .store
+                    .fail_attempt(AttemptFailure::of(task, lost(), true))
+                    .await;
+            }
+            match outcome {
                 Ok(()) | Err(StoreError::StaleLease { .. }) => {}
                 Err(err) => tracing::warn!(error = %err, task_id = task.task_id, "reaping failed"),
             }
@@ -227,42 +251,49 @@ async fn renew_leases(store: Arc<dyn FlowStore>, options: WorkerOptions, held: H
     let lease_ms = options.lease.as_millis() as i64;
     loop {
         tokio::time::sleep(every).await;
-        let snapshot: Vec<(i64, i64, Heartbeat)> = match held.lock() {
+        let snapshot: Vec<((i64, i64), Heartbeat)> = match held.lock() {
             Ok(held) => held
                 .iter()
-                .map(|(id, h)| (*id, h.lease_token, h.heartbeat.clone()))
+                .map(|(key, h)| (*key, h.heartbeat.clone()))
                 .collect(),
             Err(_) => return,
         };
         if snapshot.is_empty() {
             continue;
         }
-        for (task_id, token, heartbeat) in &snapshot {
-            if heartbeat.take_unrecorded() {
-                if let Err(err) = store.record_output(*task_id, *token).await {
-                    tracing::debug!(task_id, error = %err, "recording a heartbeat failed");
-                }
-            }
-        }
-        let pairs: Vec<(i64, i64)> = snapshot
-            .iter()
-            .map(|(id, token, _)| (*id, *token))
-            .collect();
-        match store
+        let pairs: Vec<(i64, i64)> = snapshot.iter().map(|(key, _)| *key).collect();
+        // Renew first: a lease that lapsed while the writer stalled (and was
+        // not reaped) is live again, so the heartbeats below can be recorded
+        // against it; recording first would be refused and leave the Step
+        // running with no output recorded.
+        let lost = match store
             .renew_leases(&options.worker_id, &pairs, lease_ms)
             .await
         {
-            Ok(lost) => {
-                if let Ok(held) = held.lock() {
-                    for task_id in lost {
-                        tracing::warn!(task_id, "lease lost; stopping the Step");
-                        if let Some(abort) = held.get(&task_id).and_then(|h| h.abort.as_ref()) {
-                            abort.abort();
-                        }
-                    }
+            Ok(lost) => lost,
+            Err(err) => {
+                tracing::warn!(error = %err, "renewing leases failed");
+                Vec::new()
+            }
+        };
+        if let Ok(held) = held.lock() {
+            for (task_id, token) in &lost {
+                tracing::warn!(task_id, "lease lost; stopping the Step");
+                if let Some(abort) = held.get(&(*task_id, *token)).and_then(|h| h.abort.as_ref()) {
+                    abort.abort();
                 }
             }
-            Err(err) => tracing::warn!(error = %err, "renewing leases failed"),
+        }
+        for ((task_id, token), heartbeat) in &snapshot {
+            if lost.contains(&(*task_id, *token)) || !heartbeat.take_unrecorded() {
+                continue;
+            }
+            if let Err(err) = store.record_output(*task_id, *token).await {
+                // Kept for the next round, when a renewal may make the
+                // record possible again.
+                heartbeat.mark_unrecorded();
+                tracing::debug!(task_id, error = %err, "recording a heartbeat failed");
+            }
         }
     }
 }
@@ -304,9 +335,8 @@ async fn run_one(
     let heartbeat = Heartbeat::new();
     if let Ok(mut held) = held.lock() {
         held.insert(
-            task.task_id,
+            (task.task_id, task.lease_token),
             Held {
-                lease_token: task.lease_token,
                 heartbeat: heartbeat.clone(),
                 abort: None,
             },
@@ -326,7 +356,7 @@ async fn run_one(
             // Its own task, so that a panic fails the attempt, not the worker.
             let handle = tokio::spawn(def.handler.run(ctx));
             if let Ok(mut held) = held.lock() {
-                if let Some(entry) = held.get_mut(&task.task_id) {
+                if let Some(entry) = held.get_mut(&(task.task_id, task.lease_token)) {
                     entry.abort = Some(handle.abort_handle());
                 }
             }
@@ -334,7 +364,7 @@ async fn run_one(
         }
     };
     if let Ok(mut held) = held.lock() {
-        held.remove(&task.task_id);
+        held.remove(&(task.task_id, task.lease_token));
     }
     match result {
         Ok(step_result) => {

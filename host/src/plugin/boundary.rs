@@ -22,10 +22,16 @@ impl<T: BoundaryBytes> BoundaryBytes for Option<T> {
     }
 }
 
+/// What each item of a returned list costs besides its strings: the host
+/// stores every item as its own record (a row, a key, an envelope), so a
+/// list of empty items is not free.
+pub(crate) const LIST_ITEM_BYTES: usize = 64;
+
 impl<T: BoundaryBytes> BoundaryBytes for Vec<T> {
     fn boundary_bytes(&self) -> usize {
         self.iter().fold(0usize, |sum, item| {
             sum.saturating_add(item.boundary_bytes())
+                .saturating_add(LIST_ITEM_BYTES)
         })
     }
 }
@@ -87,5 +93,26 @@ pub(crate) fn run_state_bytes(outcome: &Result<TurnOutcome, String>) -> usize {
     match outcome {
         Ok(TurnOutcome::ToolCallsRequested(request)) => request.framework_run_state.len(),
         _ => 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plugin::bindings::wit::MessageRole;
+
+    #[test]
+    fn a_list_of_empty_items_counts_its_items() {
+        let empty = FrameworkMessage {
+            role: MessageRole::Assistant,
+            framework_item: String::new(),
+            text: None,
+        };
+        let messages = vec![empty; 100_000];
+        assert_eq!(messages.boundary_bytes(), 100_000 * LIST_ITEM_BYTES);
+        assert!(
+            messages.boundary_bytes() > 1 << 20,
+            "over the default output cap"
+        );
     }
 }

@@ -18,7 +18,7 @@ use super::factors::config::ComponentConfig;
 use super::factors::events::{EventSink, EventWriter, NoEvents};
 use super::factors::http::{DeniedRequests, HttpState};
 use super::factors::model::{ModelProvider, ModelState};
-use super::factors::policy::{SharedPolicyResolver, ToolPolicies, ToolPolicyResolver};
+use super::factors::policy::{NoPolicies, SharedPolicyResolver, ToolPolicyResolver};
 use super::factors::step::{HeartbeatSink, NoHeartbeats, StepState, StepTag};
 
 /// Per-component resource limits. Each has a default. CPU time is bounded by
@@ -42,7 +42,9 @@ pub struct ComponentLimits {
     pub output_bytes: usize,
     /// Bytes of framework run state a runner may hand back.
     pub run_state_bytes: usize,
-    /// Bytes of events one call may write; more fails the call.
+    /// What the events of one call may cost in stored bytes (see
+    /// [`EventSink::stored_cost`]); past it they are dropped and the call
+    /// goes on.
     pub event_bytes_per_call: u64,
     /// Bytes of the guest's stderr kept for error messages.
     pub stderr_bytes: usize,
@@ -61,7 +63,7 @@ impl Default for ComponentLimits {
             max_concurrent_calls: 32,
             output_bytes: 1 << 20,
             run_state_bytes: 1 << 20,
-            event_bytes_per_call: 4 << 20,
+            event_bytes_per_call: 1 << 20,
             stderr_bytes: 16 << 10,
             host_handles: 4096,
         }
@@ -107,14 +109,14 @@ impl CallEnv {
     /// The default call timeout: the spec's longest Step attempt (RunModel).
     pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(15 * 60);
 
-    /// A call with no sinks, the default policies and no model.
+    /// A call with no sinks, no session policies ([`NoPolicies`]) and no model.
     pub fn new(tag: StepTag) -> Self {
         Self {
             tag,
             timeout: Self::DEFAULT_TIMEOUT,
             events: Arc::new(NoEvents),
             heartbeats: Arc::new(NoHeartbeats),
-            policy: Arc::new(ToolPolicies::default()),
+            policy: Arc::new(NoPolicies),
             model: None,
         }
     }
@@ -215,11 +217,6 @@ pub struct CallState {
 }
 
 impl CallState {
-    /// Records that the guest hit a limit; the call's error then names it.
-    pub(crate) fn note_limit(&mut self, reason: String) {
-        self.limiter.exceeded.get_or_insert(reason);
-    }
-
     /// The resource table and the wasi:http state, borrowed together.
     pub(crate) fn table_and_http(&mut self) -> (&mut ResourceTable, &mut HttpState) {
         (&mut self.table, &mut self.http)
@@ -278,13 +275,14 @@ impl Call {
         let slot = match tokio::time::timeout(env.timeout, slots.clone().acquire_owned()).await {
             Ok(Ok(permit)) => permit,
             Ok(Err(_closed)) => {
-                return Err(CallError::Instantiate {
+                return Err(CallError::NotStarted {
                     component: settings.name.clone(),
+                    export,
                     reason: "the component is shutting down".to_string(),
                 })
             }
             Err(_elapsed) => {
-                return Err(CallError::LimitExceeded {
+                return Err(CallError::NotStarted {
                     component: settings.name.clone(),
                     export,
                     reason: format!(
@@ -300,8 +298,9 @@ impl Call {
             settings
                 .grants
                 .wasi_ctx(stderr.clone())
-                .map_err(|err| CallError::Instantiate {
+                .map_err(|err| CallError::NotStarted {
                     component: settings.name.clone(),
+                    export,
                     reason: format!("{err:#}"),
                 })?;
         let events = EventWriter::new(

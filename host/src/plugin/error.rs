@@ -72,6 +72,22 @@ pub enum CallError {
     },
     #[error("component `{component}`: cannot start an instance: {reason}")]
     Instantiate { component: String, reason: String },
+    /// The call never reached the guest: no instance was free within its
+    /// deadline, or its sandbox could not be set up. Nothing of it ran.
+    #[error("component `{component}`: `{export}` did not start: {reason}")]
+    NotStarted {
+        component: String,
+        export: &'static str,
+        reason: String,
+    },
+}
+
+impl CallError {
+    /// Whether the guest provably did not run (so a single-attempt call
+    /// that ends here failed; its outcome is not unknown).
+    pub fn never_ran(&self) -> bool {
+        matches!(self, CallError::NotStarted { .. })
+    }
 }
 
 fn stderr_suffix(stderr: &str) -> String {

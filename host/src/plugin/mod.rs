@@ -26,10 +26,8 @@ pub use call::{CallEnv, CallState, ComponentLimits};
 pub use component::{ComponentInfo, ComponentSettings, RunnerComponent, ToolComponent, World};
 pub use engine::{SandboxConfig, SandboxEngine};
 pub use error::{CallError, LoadError};
-pub use factors::events::{EventSink, EventWriter, GuestEvent, TaggedEvent};
+pub use factors::events::{EventSink, EventWriter, GuestEvent, TaggedEvent, EVENT_ENVELOPE_BYTES};
 pub use factors::model::{ModelProvider, ScriptedModelProvider};
-pub use factors::policy::{
-    describe_tool_call_outcome, ToolPolicies, ToolPolicyOverride, ToolPolicyResolver,
-};
+pub use factors::policy::{NoPolicies, ToolPolicyResolver};
 pub use factors::step::{HeartbeatSink, StepTag};
 pub use grants::{DirAccess, DirGrant, Grants, HttpAuthority};

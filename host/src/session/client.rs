@@ -1,6 +1,13 @@
 //! AgentSessionClient: the session's RPCs, each one transaction on the store.
+//! Reads (snapshot, message pages) run in read-only transactions that never
+//! take the store's writer; sends honour an idempotency key and refuse a
+//! message over the user-message cap before anything is queued.
 
-use crate::flow::{FlowClient, FlowError, FlowStatus, MapQuery, RpcError, StateTx, StoreError};
+use sha2::{Digest, Sha256};
+
+use crate::flow::{
+    FlowClient, FlowError, FlowStatus, Json, MapQuery, RpcError, StateTx, StoreError,
+};
 
 use super::records::*;
 
@@ -11,6 +18,20 @@ pub enum SessionError {
     NoSuchSession(String),
     #[error("session {session_id:?} is {status}; it takes no more messages")]
     NotRunning { session_id: String, status: String },
+    /// A user message over the client's cap ([`MAX_USER_MESSAGE_BYTES`] by
+    /// default); nothing was queued or started.
+    #[error("the message is {bytes} bytes, over the limit of {limit} bytes; nothing was queued")]
+    MessageTooLarge { bytes: usize, limit: usize },
+    /// An idempotency key that is empty, too long, or not printable ASCII.
+    #[error("invalid idempotency key: {0}")]
+    InvalidIdempotencyKey(String),
+    /// The idempotency key was used before on this session with another
+    /// text: it is not a retry, and nothing was queued.
+    #[error(
+        "idempotency key {key:?} was used before on session {session_id:?} with another message; \
+         nothing was queued"
+    )]
+    IdempotencyKeyReused { session_id: String, key: String },
     #[error(transparent)]
     Flow(#[from] FlowError),
     #[error(transparent)]
@@ -22,7 +43,14 @@ pub enum SessionError {
 pub struct AgentSessionClient {
     client: FlowClient,
     flow_type: String,
+    /// The largest user message this client queues.
+    max_user_message_bytes: usize,
 }
+
+/// Oldest idempotency keys one send looks at for forgetting. A send records
+/// one key and can forget up to this many, so the count never passes
+/// [`MAX_IDEMPOTENCY_KEYS`], and each send's work stays bounded.
+const IDEMPOTENCY_PRUNE_BATCH: usize = 16;
 
 fn corrupt(what: &str, err: serde_json::Error) -> RpcError {
     RpcError::Store(StoreError::Corrupt(format!("{what}: {err}")))
@@ -37,6 +65,116 @@ fn decode<T: serde::de::DeserializeOwned>(
 
 fn to_json<T: serde::Serialize>(what: &str, value: &T) -> Result<crate::flow::Json, RpcError> {
     serde_json::to_value(value).map_err(|err| corrupt(what, err))
+}
+
+/// Refuses a key that is not 1 to [`MAX_IDEMPOTENCY_KEY_BYTES`] printable
+/// ASCII characters with no space at either end. HTTP trims the ends of a
+/// header's value, so a key with end spaces would not survive a retry intact.
+/// The message names the length, never the key, which may be anything.
+fn check_idempotency_key(key: &str) -> Result<(), SessionError> {
+    let printable = key.bytes().all(|b| (b' '..=b'~').contains(&b));
+    let trimmed = !key.starts_with(' ') && !key.ends_with(' ');
+    if key.is_empty() || key.len() > MAX_IDEMPOTENCY_KEY_BYTES || !printable || !trimmed {
+        return Err(SessionError::InvalidIdempotencyKey(format!(
+            "a key is 1 to {MAX_IDEMPOTENCY_KEY_BYTES} printable ASCII characters \
+             (space to '~') with no space at either end; this one is {} bytes and {}",
+            key.len(),
+            if key.is_empty() || key.len() > MAX_IDEMPOTENCY_KEY_BYTES {
+                "the wrong length"
+            } else if !printable {
+                "not printable ASCII"
+            } else {
+                "starts or ends with a space"
+            }
+        )));
+    }
+    Ok(())
+}
+
+/// The [`IDEMPOTENCY_KEY_ORDER`] key of `ordinal`.
+fn idempotency_ordinal_key(ordinal: u64) -> String {
+    format!("{ordinal:012}")
+}
+
+fn parse_idempotency_ordinal(order: &str) -> Result<u64, RpcError> {
+    order.parse::<u64>().map_err(|err| {
+        RpcError::Store(StoreError::Corrupt(format!(
+            "idempotency key order {order:?}: {err}"
+        )))
+    })
+}
+
+/// Records `key` for a message queued in this transaction, then forgets the
+/// oldest keys: those more than [`MAX_IDEMPOTENCY_KEYS`] keys old, and those
+/// older than [`IDEMPOTENCY_KEY_RETENTION_MS`]. It walks at most
+/// [`IDEMPOTENCY_PRUNE_BATCH`] keys, oldest first, and stops at the first it
+/// keeps.
+fn remember_idempotency_key(
+    tx: &mut dyn StateTx,
+    key: &str,
+    text_sha256: &str,
+) -> Result<(), RpcError> {
+    let now = tx.now();
+    let newest = tx.read_map(
+        IDEMPOTENCY_KEY_ORDER,
+        &MapQuery {
+            descending: true,
+            limit: 1,
+            ..MapQuery::default()
+        },
+    )?;
+    let ordinal = match newest.first() {
+        Some((order, _)) => parse_idempotency_ordinal(order)?.saturating_add(1),
+        None => 1,
+    };
+    let record = IdempotencyRecord {
+        at: now,
+        ordinal,
+        text_sha256: text_sha256.to_string(),
+    };
+    tx.set(
+        IDEMPOTENCY_KEYS,
+        key,
+        to_json("an idempotency key", &record)?,
+    )?;
+    tx.set(
+        IDEMPOTENCY_KEY_ORDER,
+        &idempotency_ordinal_key(ordinal),
+        Json::String(key.to_string()),
+    )?;
+    let oldest = tx.read_map(
+        IDEMPOTENCY_KEY_ORDER,
+        &MapQuery {
+            limit: IDEMPOTENCY_PRUNE_BATCH,
+            ..MapQuery::default()
+        },
+    )?;
+    for (order, value) in oldest {
+        let n = parse_idempotency_ordinal(&order)?;
+        if n >= ordinal {
+            break;
+        }
+        let old_key: String = decode(&format!("idempotency key {order}"), value.value)?;
+        let record: Option<IdempotencyRecord> = match tx.get(IDEMPOTENCY_KEYS, &old_key)? {
+            Some(value) => Some(decode(&format!("idempotency key {order}"), value.value)?),
+            None => None,
+        };
+        // The key's record belongs to this ordinal unless the key was
+        // recorded again since (it is then younger, and stays).
+        let owned = record.filter(|r| r.ordinal == n);
+        let over_cap = ordinal - n >= MAX_IDEMPOTENCY_KEYS;
+        let expired = owned
+            .as_ref()
+            .is_none_or(|r| now.saturating_sub(r.at) >= IDEMPOTENCY_KEY_RETENTION_MS);
+        if !over_cap && !expired {
+            break;
+        }
+        tx.delete(IDEMPOTENCY_KEY_ORDER, &order)?;
+        if owned.is_some() {
+            tx.delete(IDEMPOTENCY_KEYS, &old_key)?;
+        }
+    }
+    Ok(())
 }
 
 /// Reads a session's messages with `query`, decoded.
@@ -97,7 +235,34 @@ impl AgentSessionClient {
         Self {
             client,
             flow_type: flow_type.into(),
+            max_user_message_bytes: MAX_USER_MESSAGE_BYTES,
         }
+    }
+
+    /// Sets the largest user message (bytes of UTF-8) this client queues or
+    /// starts a session with; [`MAX_USER_MESSAGE_BYTES`] by default. Keep it
+    /// within what the agent's runner can return from `build-user-message`
+    /// under its output cap (see [`MAX_USER_MESSAGE_BYTES`]).
+    pub fn with_max_user_message_bytes(mut self, bytes: usize) -> Self {
+        self.max_user_message_bytes = bytes;
+        self
+    }
+
+    /// The largest user message this client queues, in bytes.
+    pub fn max_user_message_bytes(&self) -> usize {
+        self.max_user_message_bytes
+    }
+
+    /// Refuses a user message over the cap, before anything is queued: one
+    /// that `build-user-message` could not carry would fail its turn.
+    fn check_user_message(&self, text: &str) -> Result<(), SessionError> {
+        if text.len() > self.max_user_message_bytes {
+            return Err(SessionError::MessageTooLarge {
+                bytes: text.len(),
+                limit: self.max_user_message_bytes,
+            });
+        }
+        Ok(())
     }
 
     pub fn flow_type(&self) -> &str {
@@ -109,12 +274,14 @@ impl AgentSessionClient {
     }
 
     /// Starts session `session_id`; a non-blank `initial_message` starts its
-    /// first turn.
+    /// first turn. An initial message over the cap is refused
+    /// ([`SessionError::MessageTooLarge`]) and no session is created.
     pub async fn start_session(
         &self,
         session_id: &str,
         initial_message: &str,
     ) -> Result<(), SessionError> {
+        self.check_user_message(initial_message)?;
         let input = AgentSessionStartInput {
             initial_message: Some(initial_message.to_string()),
         };
@@ -126,19 +293,54 @@ impl AgentSessionClient {
         Ok(())
     }
 
-    /// Queues a user message; false for blank text (nothing is queued).
+    /// Queues a user message; false for blank text (nothing is queued). A
+    /// message over the cap is refused ([`SessionError::MessageTooLarge`]).
     pub async fn send_user_message(
         &self,
         session_id: &str,
         text: &str,
     ) -> Result<bool, SessionError> {
+        let outcome = self
+            .send_user_message_with_key(session_id, text, None)
+            .await?;
+        Ok(outcome == SendOutcome::Queued)
+    }
+
+    /// Queues a user message, at most once per `idempotency_key`: a send
+    /// retried with the key of a message this session already queued (a
+    /// client that timed out and tries again) queues nothing and answers
+    /// [`SendOutcome::Replayed`]; the same key with another text is refused
+    /// ([`SessionError::IdempotencyKeyReused`]). The key is recorded in the
+    /// session's state ([`IDEMPOTENCY_KEYS`]) in the transaction that queues
+    /// the message, so the rule holds across processes and restarts; a
+    /// session remembers its keys for at least
+    /// [`IDEMPOTENCY_KEY_RETENTION_MS`] (24 h), and at most its
+    /// [`MAX_IDEMPOTENCY_KEYS`] newest. A repeat is recognised even after
+    /// the session stopped. Blank text queues nothing ([`SendOutcome::Blank`])
+    /// and records no key.
+    pub async fn send_user_message_with_key(
+        &self,
+        session_id: &str,
+        text: &str,
+        idempotency_key: Option<&str>,
+    ) -> Result<SendOutcome, SessionError> {
+        if let Some(key) = idempotency_key {
+            check_idempotency_key(key)?;
+        }
+        self.check_user_message(text)?;
         if text.trim().is_empty() {
-            return Ok(false);
+            return Ok(SendOutcome::Blank);
         }
         let message = serde_json::to_value(AgentUserMessage {
             text: text.to_string(),
         })
         .map_err(|err| RpcError::Rejected(err.to_string()))?;
+        let key = idempotency_key.map(|key| {
+            (
+                key.to_string(),
+                hex::encode(Sha256::digest(text.as_bytes())),
+            )
+        });
         let id = session_id.to_string();
         let outcome = self
             .client
@@ -146,6 +348,19 @@ impl AgentSessionClient {
                 let Some(flow) = tx.flow()? else {
                     return Ok(Err(SessionError::NoSuchSession(id.clone())));
                 };
+                // A retry gets the first answer, whatever happened since.
+                if let Some((key, text_sha256)) = &key {
+                    if let Some(seen) = tx.get(IDEMPOTENCY_KEYS, key)? {
+                        let seen: IdempotencyRecord = decode("an idempotency key", seen.value)?;
+                        if seen.text_sha256 != *text_sha256 {
+                            return Ok(Err(SessionError::IdempotencyKeyReused {
+                                session_id: id.clone(),
+                                key: key.clone(),
+                            }));
+                        }
+                        return Ok(Ok(SendOutcome::Replayed));
+                    }
+                }
                 if flow.status != FlowStatus::Running {
                     return Ok(Err(SessionError::NotRunning {
                         session_id: id.clone(),
@@ -153,7 +368,10 @@ impl AgentSessionClient {
                     }));
                 }
                 tx.publish(QUEUED_USER_MESSAGES, "", message.clone())?;
-                Ok(Ok(true))
+                if let Some((key, text_sha256)) = &key {
+                    remember_idempotency_key(tx, key, text_sha256)?;
+                }
+                Ok(Ok(SendOutcome::Queued))
             })
             .await?;
         outcome
@@ -203,20 +421,21 @@ impl AgentSessionClient {
         Ok(resolved)
     }
 
-    /// The session as a UI draws it. Stopped sessions are served too.
+    /// The session as a UI draws it. Stopped sessions are served too. A
+    /// read-only snapshot: it never waits for the store's writer.
     pub async fn get_agent_snapshot(
         &self,
         session_id: &str,
     ) -> Result<AgentSnapshot, SessionError> {
         let id = session_id.to_string();
         self.client
-            .rpc_once(session_id, move |tx| snapshot(tx, &id))
+            .read_rpc(session_id, move |tx| snapshot(tx, &id))
             .await?
             .ok_or_else(|| SessionError::NoSuchSession(session_id.to_string()))
     }
 
     /// Messages oldest first, after `after_sequence`; the limit is clamped to
-    /// 1..=200.
+    /// 1..=200. Read-only, like the snapshot.
     pub async fn list_agent_messages(
         &self,
         session_id: &str,
@@ -225,7 +444,7 @@ impl AgentSessionClient {
         let limit = request.limit.clamp(1, MAX_MESSAGE_PAGE) as usize;
         let page = self
             .client
-            .rpc_once(session_id, move |tx| {
+            .read_rpc(session_id, move |tx| {
                 if tx.flow()?.is_none() {
                     return Ok(None);
                 }

@@ -6,29 +6,35 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::events::fits;
+use super::limits::TurnLimits;
+use super::policy::{ToolPolicies, ToolPolicyOverride};
 use super::records::{ToolEffect, ToolPolicy, PENDING_INTERRUPTS};
 use super::steps::{step, SessionSteps};
 use crate::flow::{FlowType, RetryPolicy, StateWrite, StepContext, StepDef, StepError, StepResult};
 use crate::plugin::wit::ToolSpec;
-use crate::plugin::{
-    ModelProvider, RunnerComponent, ToolComponent, ToolPolicies, ToolPolicyOverride,
-};
+use crate::plugin::{ModelProvider, RunnerComponent, ToolComponent};
 
 /// How a session runs. Every field has a default.
 #[derive(Clone, Debug, PartialEq)]
 pub struct AgentSessionOptions {
-    /// Explicit policies by tool name; they win over the framework's effect.
+    /// Explicit policies by tool name; they win over the effect a tool
+    /// declares and the framework's (see `session::policy`).
     pub tool_policies: BTreeMap<String, ToolPolicy>,
     /// The effect of a tool with no explicit policy and no framework effect.
     pub default_tool_effect: ToolEffect,
     /// Bytes the session's event stream keeps (oldest events are trimmed).
     pub events_capacity: u64,
-    /// How long an approval may wait; none waits forever.
+    /// How long an approval may wait; none waits forever. The deadline is
+    /// exact to the millisecond of the store's clock (an answer after it is
+    /// refused); the Timer that expires the request fires on the next whole
+    /// second, as the spec says.
     pub interrupt_deadline: Option<Duration>,
     /// How long one tool call attempt may run.
     pub tool_attempt_timeout: Duration,
     /// How long one RunModel attempt may run (the runner's CPU deadline too).
     pub model_step_timeout: Duration,
+    /// What one turn may cost (tool calls, messages, tool output).
+    pub turn_limits: TurnLimits,
 }
 
 impl Default for AgentSessionOptions {
@@ -40,6 +46,7 @@ impl Default for AgentSessionOptions {
             interrupt_deadline: None,
             tool_attempt_timeout: Duration::from_secs(5 * 60),
             model_step_timeout: RUN_MODEL_TIMEOUT,
+            turn_limits: TurnLimits::default(),
         }
     }
 }
@@ -52,6 +59,11 @@ impl AgentSessionOptions {
 
     pub fn default_tool_effect(mut self, effect: ToolEffect) -> Self {
         self.default_tool_effect = effect;
+        self
+    }
+
+    pub fn turn_limits(mut self, limits: TurnLimits) -> Self {
+        self.turn_limits = limits;
         self
     }
 
@@ -75,7 +87,7 @@ impl AgentSessionOptions {
         self
     }
 
-    /// The resolver the runner's `policy` import uses.
+    /// The operator's part of the agent's tool policies.
     pub(crate) fn resolver(&self) -> ToolPolicies {
         ToolPolicies {
             explicit: self
@@ -92,6 +104,7 @@ impl AgentSessionOptions {
                 })
                 .collect(),
             default_effect: self.default_tool_effect.into(),
+            ..ToolPolicies::default()
         }
     }
 }
@@ -192,7 +205,10 @@ impl AgentSessionFlow {
         components: Option<Arc<AgentComponents>>,
         options: AgentSessionOptions,
     ) -> Self {
-        let policies = Arc::new(options.resolver());
+        // The operator's policies, and the effects the tool components
+        // declare, which a runner cannot lower.
+        let declared = components.iter().flat_map(|c| c.tool_specs.iter());
+        let policies = Arc::new(options.resolver().with_declared(declared));
         Self {
             steps: Arc::new(SessionSteps {
                 flow_type,

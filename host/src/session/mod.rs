@@ -12,6 +12,8 @@
 mod client;
 mod events;
 mod flow;
+pub mod limits;
+pub mod policy;
 pub mod records;
 mod steps;
 
@@ -21,5 +23,7 @@ pub use flow::{
     AgentComponents, AgentConfigError, AgentSessionFlow, AgentSessionOptions,
     RUN_MODEL_HEARTBEAT_TIMEOUT, RUN_MODEL_TIMEOUT, RUN_MODEL_WINDOW,
 };
+pub use limits::TurnLimits;
+pub use policy::{ToolPolicies, ToolPolicyOverride};
 pub use records::*;
 pub use steps::{check_tool_calls_requested, step, turn_failure_note};

@@ -277,6 +277,11 @@ pub struct AgentToolCall {
     pub rejection_message: Option<String>,
     /// Position in the model's response; AttributeMap keys do not keep order.
     pub deferral_order: u32,
+    /// The most bytes of output (or error) this call may keep: its share of
+    /// what the turn's tool-output budget had left when it was deferred.
+    /// More is cut, with a marker that says so.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_limit: Option<u64>,
 }
 
 impl AgentToolCall {
@@ -299,7 +304,7 @@ impl AgentToolCall {
 
     /// The model-visible text of this record's outcome.
     pub fn describe_outcome(&self) -> String {
-        crate::plugin::describe_tool_call_outcome(&self.to_wit())
+        super::policy::describe_tool_call_outcome(&self.to_wit())
     }
 }
 
@@ -443,5 +448,73 @@ pub struct AgentEvent {
     pub turn_id: String,
     pub step_execution_id: String,
     pub attempt: u32,
+    /// Who wrote it: absent for the host's own record of what happened;
+    /// [`ORIGIN_GUEST`] for an event a component wrote during its call (a
+    /// runner's or its model's deltas, a framework's tool events, custom
+    /// events), which no client may take for the host's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub origin: Option<String>,
     pub data: Json,
+}
+
+/// The [`AgentEvent::origin`] of an event a component wrote.
+pub const ORIGIN_GUEST: &str = "guest";
+
+/// The largest user message, in bytes of UTF-8, that
+/// [`send_user_message`](crate::session::AgentSessionClient::send_user_message)
+/// and [`start_session`](crate::session::AgentSessionClient::start_session)
+/// queue; a larger one is refused before anything is queued. The runner's
+/// `build-user-message` returns the text twice (as the message's text and
+/// inside its framework item, JSON-escaped at up to 6 bytes a byte), and
+/// what it returns must fit the component's output cap (1 MiB by default):
+/// 128 KiB stays under that cap whatever the text holds, so a message this
+/// client accepts can always become a turn. A deployment that lowers a
+/// runner's output cap lowers this too, with
+/// [`with_max_user_message_bytes`](crate::session::AgentSessionClient::with_max_user_message_bytes).
+pub const MAX_USER_MESSAGE_BYTES: usize = 128 << 10;
+
+/// AttributeMap: [`IdempotencyRecord`] by idempotency key, for the user
+/// messages queued with one. Kept in the session's own state and written in
+/// the transaction that queues the message, so a retry is recognised by any
+/// process, after any restart.
+pub const IDEMPOTENCY_KEYS: &str = "IDEMPOTENCY_KEYS";
+/// AttributeMap: the same keys (JSON strings) by
+/// [`IdempotencyRecord::ordinal`], 12 digits zero-padded, so that key order
+/// is age order: what pruning walks, oldest first.
+pub const IDEMPOTENCY_KEY_ORDER: &str = "IDEMPOTENCY_KEY_ORDER";
+/// The most idempotency keys a session remembers; recording one more
+/// forgets the oldest.
+pub const MAX_IDEMPOTENCY_KEYS: u64 = 1000;
+/// How long a session remembers an idempotency key at least, unless
+/// [`MAX_IDEMPOTENCY_KEYS`] newer keys push it out first: a client may retry
+/// a send with its key for this long. Older keys are forgotten as new ones
+/// are recorded.
+pub const IDEMPOTENCY_KEY_RETENTION_MS: StoreMillis = 24 * 60 * 60 * 1000;
+/// The longest idempotency key, in bytes. A key is 1 to this many printable
+/// ASCII characters (`' '..='~'`), with no space at either end.
+pub const MAX_IDEMPOTENCY_KEY_BYTES: usize = 255;
+
+/// What a session remembers of a message queued with an idempotency key.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IdempotencyRecord {
+    /// When the message was queued, on the store's clock.
+    pub at: StoreMillis,
+    /// The key's position among the session's keys, from 1; its key in
+    /// [`IDEMPOTENCY_KEY_ORDER`].
+    pub ordinal: u64,
+    /// SHA-256 of the message's text, hex: a retry must carry the same text.
+    pub text_sha256: String,
+}
+
+/// What sending a user message did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SendOutcome {
+    /// The message was queued; it starts a turn.
+    Queued,
+    /// A message with the same idempotency key and text was queued before:
+    /// nothing was queued now, and the first send's answer stands.
+    Replayed,
+    /// The text is blank: nothing was queued.
+    Blank,
 }

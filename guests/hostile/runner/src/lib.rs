@@ -137,9 +137,41 @@ impl Guest for HostileRunner {
             }
             "recurse" => completed(recurse(0).to_string()),
             "trap-model" => panic!("hostile run-model-step traps on purpose"),
-            "event-flood" => loop {
-                events::write_text_delta(&"z".repeat(1000));
+            // 10 MB of deltas against a far smaller event budget: the host
+            // drops what is over it and the call goes on.
+            "event-flood" => {
+                let chunk = "z".repeat(1000);
+                for _ in 0..10_000 {
+                    events::write_text_delta(&chunk);
+                }
+                completed("flooded".to_string())
+            }
+            // Zero-byte events for the whole deadline: each is free to send,
+            // so only what the host stores may be counted.
+            "empty-flood" => loop {
+                events::write_text_delta("");
+                events::write_reasoning_delta("");
+                events::write_tool_call_started("", "");
+                events::write_tool_call_finished("", "", ToolCallStatus::Succeeded);
             },
+            // Fan-outs that cost nothing to ask for: the host's turn budget
+            // must refuse them before they cost the worker or the store.
+            "many-calls" => request(
+                "state".into(),
+                (0..10_000)
+                    .map(|n| deferred(&format!("c{n}"), "runner_ok"))
+                    .collect(),
+            ),
+            "empty-messages" => Ok(TurnOutcome::Completed(TurnCompleted {
+                new_messages: (0..100_000)
+                    .map(|_| FrameworkMessage {
+                        role: MessageRole::Assistant,
+                        framework_item: String::new(),
+                        text: None,
+                    })
+                    .collect(),
+                usage: usage(),
+            })),
             "big-output" => completed("x".repeat(4 << 20)),
             "big-run-state" => request("s".repeat(4 << 20), vec![deferred("c1", "runner_ok")]),
             "empty-run-state" => request(String::new(), vec![deferred("c1", "runner_ok")]),

@@ -140,7 +140,8 @@ impl Guest for HostileTool {
             spec("http_get", "GETs {url} through wasi:http"),
             spec("tcp_connect", "opens a TCP connection to {addr}"),
             spec("big_output", "returns {megabytes} MiB of text"),
-            spec("event_flood", "writes events until stopped"),
+            spec("event_flood", "writes 10 MB of events"),
+            spec("empty_flood", "writes zero-byte events until stopped"),
             spec("handle_hoard", "keeps creating host-side HTTP header maps"),
             spec("trap", "panics"),
         ]
@@ -166,12 +167,19 @@ impl Guest for HostileTool {
             "http_get" => http_get(&args.url),
             "tcp_connect" => tcp_connect(&args.addr),
             "big_output" => Ok("x".repeat(args.megabytes << 20)),
+            // 10 MB of events against a far smaller event budget.
             "event_flood" => {
                 let payload = format!("{{\"junk\":\"{}\"}}", "y".repeat(1000));
-                loop {
+                for _ in 0..10_000 {
                     events::write_event("flood", &payload);
                 }
+                Ok("flooded".to_string())
             }
+            "empty_flood" => loop {
+                events::write_text_delta("");
+                events::write_tool_call_started("", "");
+                events::write_event("e", "{}");
+            },
             "handle_hoard" => {
                 // Each header map lives in host memory, outside this
                 // component's own memory limit.

@@ -1,91 +1,43 @@
-//! `dex:agents/policy`: tool policies and the model-visible text of outcomes.
+//! `dex:agents/policy`: the runner asks the host for tool policies and for
+//! the rendering of outcomes. The rules are the session's
+//! (`session::policy`); the sandbox only carries the questions to them.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use crate::plugin::bindings::runner::dex::agents::policy;
-use crate::plugin::bindings::wit::{ToolCallRecord, ToolCallStatus, ToolEffect, ToolPolicy};
+use crate::plugin::bindings::wit::{ToolCallRecord, ToolEffect, ToolPolicy};
 use crate::plugin::call::CallState;
 
-/// Resolves the policy of a tool by name.
+/// Answers a runner's `policy` import.
 pub trait ToolPolicyResolver: Send + Sync {
+    /// The policy of a tool by name, given the framework's effect if any.
     fn resolve(&self, tool_name: &str, framework_effect: Option<ToolEffect>) -> ToolPolicy;
+
+    /// The model-visible text of a tool call's outcome.
+    fn describe_outcome(&self, record: &ToolCallRecord) -> String;
 }
 
-/// An operator's explicit policy for one tool. `requires_approval: None` takes
-/// the effect's default.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ToolPolicyOverride {
-    pub effect: ToolEffect,
-    pub requires_approval: Option<bool>,
-}
+/// The answers of a call that serves no session (a test, `dexa component
+/// call`): every tool is of unknown effect and needs approval, and an
+/// outcome is its status with its raw text.
+pub struct NoPolicies;
 
-/// Whether an effect needs approval when nothing says otherwise: writes that
-/// cannot be repeated safely do.
-pub fn is_approval_required(effect: ToolEffect) -> bool {
-    matches!(
-        effect,
-        ToolEffect::NonIdempotentWrite | ToolEffect::Unclassified
-    )
-}
-
-/// The spec's resolution: explicit policy, else the framework's effect, else
-/// the session's default effect.
-#[derive(Clone, Debug)]
-pub struct ToolPolicies {
-    pub explicit: BTreeMap<String, ToolPolicyOverride>,
-    pub default_effect: ToolEffect,
-}
-
-impl Default for ToolPolicies {
-    fn default() -> Self {
-        Self {
-            explicit: BTreeMap::new(),
-            default_effect: ToolEffect::Unclassified,
-        }
-    }
-}
-
-impl ToolPolicyResolver for ToolPolicies {
-    fn resolve(&self, tool_name: &str, framework_effect: Option<ToolEffect>) -> ToolPolicy {
-        if let Some(explicit) = self.explicit.get(tool_name) {
-            return ToolPolicy {
-                effect: explicit.effect,
-                requires_approval: explicit
-                    .requires_approval
-                    .unwrap_or_else(|| is_approval_required(explicit.effect)),
-            };
-        }
-        let effect = framework_effect.unwrap_or(self.default_effect);
+impl ToolPolicyResolver for NoPolicies {
+    fn resolve(&self, _tool_name: &str, _framework_effect: Option<ToolEffect>) -> ToolPolicy {
         ToolPolicy {
-            effect,
-            requires_approval: is_approval_required(effect),
+            effect: ToolEffect::Unclassified,
+            requires_approval: true,
         }
     }
-}
 
-/// The model-visible text for a tool-call record. The host's turn-failure note
-/// and every runner (through the `policy` import) use this one rendering.
-pub fn describe_tool_call_outcome(record: &ToolCallRecord) -> String {
-    match record.status {
-        ToolCallStatus::Succeeded => record.output.clone().unwrap_or_default(),
-        ToolCallStatus::Failed => format!(
-            "Tool call failed: {}",
-            record.error.as_deref().unwrap_or("no error message")
-        ),
-        ToolCallStatus::Rejected => match record.rejection_message.as_deref() {
-            Some(message) if !message.trim().is_empty() => {
-                format!("Tool call was rejected: {message}")
-            }
-            _ => "Tool call was rejected.".to_string(),
-        },
-        ToolCallStatus::OutcomeUnknown => format!(
-            "Tool call outcome is unknown; it may or may not have taken effect: {}",
-            record.error.as_deref().unwrap_or("no detail")
-        ),
-        ToolCallStatus::Pending | ToolCallStatus::Approved => {
-            "Tool call has not finished.".to_string()
-        }
+    fn describe_outcome(&self, record: &ToolCallRecord) -> String {
+        let text = record
+            .output
+            .as_deref()
+            .or(record.error.as_deref())
+            .or(record.rejection_message.as_deref())
+            .unwrap_or_default();
+        format!("{:?}: {text}", record.status)
     }
 }
 
@@ -104,6 +56,6 @@ impl policy::Host for CallState {
         &mut self,
         tool_call: ToolCallRecord,
     ) -> wasmtime::Result<String> {
-        Ok(describe_tool_call_outcome(&tool_call))
+        Ok(self.policy.describe_outcome(&tool_call))
     }
 }

@@ -62,7 +62,8 @@ impl FromStr for Synchronous {
     }
 }
 
-#[derive(Clone, Debug, Default)]
+/// How a SQLite store is opened: `store = "sqlite:PATH?synchronous=full"`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SqliteOptions {
     pub synchronous: Synchronous,
 }
@@ -73,6 +74,28 @@ pub const DEFAULT_STREAM_CAPACITY: u64 = 10 << 20;
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 const WATCH_INTERVAL: Duration = Duration::from_millis(10);
 const CHECKPOINT_INTERVAL: Duration = Duration::from_secs(1);
+
+impl Inner {
+    /// Runs `work` on a pooled read connection (a new one when none is free).
+    fn with_reader<T, E, F>(&self, work: F) -> Result<T, E>
+    where
+        E: From<StoreError>,
+        F: FnOnce(&Connection, StoreMillis) -> Result<T, E>,
+    {
+        let pooled = self.readers.lock().ok().and_then(|mut pool| pool.pop());
+        let conn = match pooled {
+            Some(conn) => conn,
+            None => open_reader(&self.path, &self.options)?,
+        };
+        let result = work(&conn, now_millis());
+        if let Ok(mut pool) = self.readers.lock() {
+            if pool.len() < 8 {
+                pool.push(conn);
+            }
+        }
+        result
+    }
+}
 
 /// The SQLite store. Cheap to clone.
 #[derive(Clone)]
@@ -135,6 +158,20 @@ pub(crate) fn cached_query_row<T>(
     conn.prepare_cached(sql)?.query_row(params, f)
 }
 
+/// A further connection to a store whose writer is open (its file is in WAL
+/// mode already, so this takes no lock that can be refused for long).
+fn open_reader(path: &Path, options: &SqliteOptions) -> Result<Connection, StoreError> {
+    let started = Instant::now();
+    loop {
+        match connect(path, options) {
+            Err(err) if is_lock_wait(&err) && started.elapsed() < OPEN_PATIENCE => {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            other => return other,
+        }
+    }
+}
+
 fn connect(path: &Path, options: &SqliteOptions) -> Result<Connection, StoreError> {
     let conn = Connection::open(path)
         .map_err(|err| StoreError::Backend(format!("cannot open {}: {err}", path.display())))?;
@@ -151,8 +188,42 @@ fn connect(path: &Path, options: &SqliteOptions) -> Result<Connection, StoreErro
     Ok(conn)
 }
 
+/// How long opening a store waits for other processes that are creating or
+/// migrating the same file at the same moment.
+const OPEN_PATIENCE: Duration = Duration::from_secs(30);
+
+/// SQLite's own words for a lock another connection holds.
+fn is_lock_wait(err: &StoreError) -> bool {
+    matches!(err, StoreError::Backend(message)
+        if message.contains("database is locked") || message.contains("database is busy"))
+}
+
+/// The writer connection, with the schema created or migrated. Switching a
+/// new file to WAL and migrating take locks that SQLite may refuse at once
+/// (without its busy handler) while another process does the same, so
+/// those refusals wait their turn instead of failing the open.
+fn open_writer(path: &Path, options: &SqliteOptions) -> Result<Connection, StoreError> {
+    let started = Instant::now();
+    let mut pause = Duration::from_millis(5);
+    loop {
+        let attempt = connect(path, options).and_then(|mut conn| {
+            schema::migrate(&mut conn)?;
+            Ok(conn)
+        });
+        match attempt {
+            Err(err) if is_lock_wait(&err) && started.elapsed() < OPEN_PATIENCE => {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(200));
+            }
+            other => return other,
+        }
+    }
+}
+
 impl SqliteStore {
-    /// Opens (creating if needed) the store at `path`.
+    /// Opens (creating if needed) the store at `path`. Any number of
+    /// processes may open one store at once; creating its schema waits its
+    /// turn.
     pub fn open(path: impl AsRef<Path>, options: SqliteOptions) -> Result<Self, StoreError> {
         let path = path.as_ref().to_path_buf();
         if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
@@ -160,13 +231,12 @@ impl SqliteStore {
                 StoreError::Backend(format!("cannot create {}: {err}", parent.display()))
             })?;
         }
-        let mut writer = connect(&path, &options)?;
-        schema::migrate(&mut writer)?;
+        let writer = open_writer(&path, &options)?;
         // Checkpoints (which fsync) run on their own thread, not after commits.
         writer
             .pragma_update(None, "wal_autocheckpoint", 0)
             .map_err(backend)?;
-        let checkpoints = spawn_checkpointer(connect(&path, &options)?)?;
+        let checkpoints = spawn_checkpointer(open_reader(&path, &options)?)?;
         let signal = Arc::new(Notify::new());
         let (jobs, queue) = mpsc::channel();
         std::thread::Builder::new()
@@ -260,19 +330,50 @@ impl SqliteStore {
         T: Send + 'static,
         F: FnOnce(&Connection, StoreMillis) -> Result<T, StoreError> + Send + 'static,
     {
-        let inner = &self.inner;
-        let pooled = inner.readers.lock().ok().and_then(|mut pool| pool.pop());
-        let conn = match pooled {
-            Some(conn) => conn,
-            None => connect(&inner.path, &inner.options)?,
-        };
-        let result = work(&conn, now_millis());
-        if let Ok(mut pool) = inner.readers.lock() {
-            if pool.len() < 8 {
-                pool.push(conn);
+        self.inner.with_reader(work)
+    }
+
+    /// Runs `work` on a pooled read connection, like [`Self::read`], but on a
+    /// blocking thread: for reads that can be large (a turn's whole history,
+    /// a snapshot of 200 messages) or long (a read transaction that waits
+    /// out a WAL checkpoint's lock), which must not stall a runtime thread
+    /// that other sessions' tasks share.
+    async fn read_blocking<T, E, F>(&self, work: F) -> Result<T, E>
+    where
+        T: Send + 'static,
+        E: From<StoreError> + Send + 'static,
+        F: FnOnce(&Connection, StoreMillis) -> Result<T, E> + Send + 'static,
+    {
+        let inner = self.inner.clone();
+        tokio::task::spawn_blocking(move || inner.with_reader(work))
+            .await
+            .map_err(|err| E::from(backend(format!("a blocking read did not finish: {err}"))))?
+    }
+
+    /// Test hook: occupies this store's writer thread for `hold`, inside its
+    /// write transaction, as a slow commit or a stalled disk would; returns
+    /// once the writer is held. Every write queued meanwhile waits; reads
+    /// must not.
+    #[doc(hidden)]
+    pub async fn hold_writer_for_test(&self, hold: Duration) -> Result<(), StoreError> {
+        let (started, held) = oneshot::channel::<()>();
+        let job: WriteJob = Box::new(move |_conn, _now| {
+            let _ = started.send(());
+            std::thread::sleep(hold);
+            JobDone {
+                ok: true,
+                wake: false,
+                deliver: Box::new(|_| {}),
             }
-        }
-        result
+        });
+        self.inner
+            .writer
+            .lock()
+            .map_err(|_| backend("the writer queue is poisoned"))?
+            .send(job)
+            .map_err(|_| backend("the SQLite writer thread has stopped"))?;
+        held.await
+            .map_err(|_| backend("the SQLite writer dropped the hold"))
     }
 }
 
@@ -342,8 +443,12 @@ fn spawn_checkpointer(conn: Connection) -> Result<mpsc::Sender<()>, StoreError> 
 
 /// Runs one batch; true when a committed write may have made work ready.
 fn run_batch(conn: &Connection, batch: Vec<WriteJob>) -> bool {
+    let began = cached_execute(conn, "BEGIN IMMEDIATE", []);
+    // The clock is read once the write lock is held: BEGIN may wait up to
+    // the busy timeout for another process, and a time read before it
+    // would shorten every lease the batch grants and misjudge expiries.
     let now = now_millis();
-    if let Err(err) = cached_execute(conn, "BEGIN IMMEDIATE", []) {
+    if let Err(err) = began {
         let reason = format!("cannot begin a write transaction: {err}");
         for job in batch {
             (job(Err(reason.clone()), now).deliver)(Err(reason.clone()));
@@ -552,7 +657,7 @@ impl FlowStore for SqliteStore {
         worker_id: &str,
         held: &[(i64, i64)],
         lease_ms: i64,
-    ) -> Result<Vec<i64>, StoreError> {
+    ) -> Result<Vec<(i64, i64)>, StoreError> {
         let worker_id = worker_id.to_string();
         let held = held.to_vec();
         self.write_quietly(move |tx, now| {
@@ -567,7 +672,7 @@ impl FlowStore for SqliteStore {
                 let renewed = stmt.execute(params![now + lease_ms, task_id, token, worker_id])
                     .map_err(backend)?;
                 if renewed == 0 {
-                    lost.push(task_id);
+                    lost.push((task_id, token));
                 }
             }
             Ok(lost)
@@ -576,7 +681,7 @@ impl FlowStore for SqliteStore {
     }
 
     async fn record_output(&self, task_id: i64, lease_token: i64) -> Result<(), StoreError> {
-        self.write_quietly(move |tx, _| state::record_output(tx, task_id, lease_token))
+        self.write_quietly(move |tx, now| state::record_output(tx, now, task_id, lease_token))
             .await
     }
 
@@ -617,12 +722,19 @@ impl FlowStore for SqliteStore {
                     .map_err(backend)?;
                 }
                 FailureAction::Redeliver => {
-                    cached_execute(tx,
+                    // The same attempt again only while it provably produced
+                    // nothing: checked in this statement, so that a "started"
+                    // write committed after the reaper looked wins, and the
+                    // whole failure (history included) is rolled back.
+                    let redelivered = cached_execute(tx,
                         "UPDATE tasks SET state = 'ready', lease_owner = NULL, lease_expires_ms = NULL
-                         WHERE task_id = ?1",
+                         WHERE task_id = ?1 AND output_recorded = 0",
                         params![failure.task_id],
                     )
                     .map_err(backend)?;
+                    if redelivered == 0 {
+                        return Err(StoreError::OutputRecorded { task_id: failure.task_id });
+                    }
                 }
                 FailureAction::GiveUp { route, flow_error } => {
                     cached_execute(tx, "DELETE FROM tasks WHERE task_id = ?1", params![failure.task_id])
@@ -732,8 +844,8 @@ impl FlowStore for SqliteStore {
     ) -> Result<(), StoreError> {
         let (flow_id, stream) = (flow_id.to_string(), stream.to_string());
         self.write_quietly(move |tx, now| {
-            state::record_output(tx, task_id, lease_token)?;
-            state::append_stream(tx, now, &flow_id, &stream, &payloads)?;
+            state::record_output(tx, now, task_id, lease_token)?;
+            state::append_fitting(tx, now, &flow_id, &stream, &payloads)?;
             Ok(())
         })
         .await
@@ -745,7 +857,8 @@ impl FlowStore for SqliteStore {
         queries: Vec<StateQuery>,
     ) -> Result<Vec<StateAnswer>, StoreError> {
         let flow_id = flow_id.to_string();
-        self.read(move |conn, _| {
+        // Off the runtime: RunModel reads a turn's whole history here.
+        self.read_blocking(move |conn, _| {
             // One transaction, so that every answer comes from one snapshot.
             let tx = conn.unchecked_transaction().map_err(backend)?;
             let answers = queries
@@ -840,6 +953,29 @@ impl FlowStore for SqliteStore {
         })
         .await
     }
+
+    /// On a read connection, off the runtime, in one deferred transaction:
+    /// WAL gives it a snapshot of the last commit, and it never waits for the
+    /// writer nor makes the writer wait.
+    async fn read_rpc(
+        &self,
+        flow_id: &str,
+        body: RpcBody,
+    ) -> Result<Box<dyn Any + Send>, RpcError> {
+        let flow_id = flow_id.to_string();
+        self.read_blocking(move |conn, now| {
+            let tx = conn.unchecked_transaction().map_err(backend)?;
+            let result = {
+                let mut state = state::SqliteReadTx::new(&tx, flow_id, now);
+                body(&mut state)
+            };
+            // Nothing was written: ending the transaction only releases the
+            // snapshot (a rollback, the default).
+            tx.finish().map_err(backend)?;
+            result
+        })
+        .await
+    }
 }
 
 /// Whether a row exists (helper for `OptionalExtension` queries).
@@ -852,4 +988,34 @@ pub(crate) fn exists(
         .optional()
         .map(|found| found.is_some())
         .map_err(backend)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Workers and clients that start together open one new store at the
+    /// same moment; every open must succeed (SQLite refuses some of the
+    /// lock takes of creating the file without waiting).
+    #[test]
+    fn many_openers_of_one_new_store_all_succeed() {
+        for round in 0..5 {
+            let dir = tempfile::tempdir().unwrap_or_else(|err| panic!("tempdir: {err}"));
+            let path = dir.path().join(format!("new-{round}.sqlite"));
+            let start = Arc::new(std::sync::Barrier::new(12));
+            let openers: Vec<_> = (0..12)
+                .map(|_| {
+                    let (path, start) = (path.clone(), start.clone());
+                    std::thread::spawn(move || {
+                        start.wait();
+                        SqliteStore::open(&path, SqliteOptions::default()).map(|_| ())
+                    })
+                })
+                .collect();
+            for opener in openers {
+                let opened = opener.join().unwrap_or_else(|_| panic!("opener panicked"));
+                assert!(opened.is_ok(), "round {round}: {opened:?}");
+            }
+        }
+    }
 }

@@ -241,17 +241,22 @@ fn channel_messages(
         .collect()
 }
 
-/// Marks that the leased attempt produced output (fenced by its token).
+/// Marks that the leased attempt produced output, fenced by its token and by
+/// a lease that has not run out: once it has, the reaper may be handing the
+/// same attempt to another worker, and "output recorded" must then be
+/// refused, never raced (the redelivery re-checks it in its own statement).
 pub(super) fn record_output(
     conn: &Connection,
+    now: StoreMillis,
     task_id: i64,
     lease_token: i64,
 ) -> Result<(), StoreError> {
     let updated = cached_execute(
         conn,
         "UPDATE tasks SET output_recorded = 1
-             WHERE task_id = ?1 AND lease_token = ?2 AND state = 'leased'",
-        params![task_id, lease_token],
+             WHERE task_id = ?1 AND lease_token = ?2 AND state = 'leased'
+               AND lease_expires_ms > ?3",
+        params![task_id, lease_token, now],
     )
     .map_err(backend)?;
     if updated == 0 {
@@ -508,7 +513,7 @@ pub(super) fn apply_write(
             payload,
         } => publish(conn, now, flow_id, channel, key, payload)?,
         StateWrite::Append { stream, payload } => {
-            append_stream(conn, now, flow_id, stream, std::slice::from_ref(payload))?;
+            append_fitting(conn, now, flow_id, stream, std::slice::from_ref(payload))?;
         }
     }
     Ok(())
@@ -701,6 +706,39 @@ fn trim_stream(
     Ok(())
 }
 
+/// Appends what fits the stream, judged by the stream's own capacity (which
+/// may be smaller than what the writer was configured with when the stream
+/// was created): an entry that can never fit is dropped with a warning,
+/// never a reason to refuse the write it rides in (a Step's commit, its
+/// "started" marker), which would fail again on every retry.
+pub(super) fn append_fitting(
+    conn: &Connection,
+    now: StoreMillis,
+    flow_id: &str,
+    stream: &str,
+    payloads: &[Json],
+) -> Result<Vec<i64>, StoreError> {
+    let (_, _, capacity) = stream_meta(conn, flow_id, stream)?;
+    let fitting: Vec<Json> = payloads
+        .iter()
+        .filter(|payload| {
+            let bytes = payload.to_string().len() as u64;
+            if bytes > capacity {
+                tracing::warn!(
+                    flow_id,
+                    stream,
+                    bytes,
+                    capacity,
+                    "dropping a stream entry larger than the stream's capacity"
+                );
+            }
+            bytes <= capacity
+        })
+        .cloned()
+        .collect();
+    append_stream(conn, now, flow_id, stream, &fitting)
+}
+
 pub(super) fn append_stream(
     conn: &Connection,
     now: StoreMillis,
@@ -882,6 +920,74 @@ impl StateTx for SqliteStateTx<'_> {
 
     fn publish(&mut self, channel: &str, key: &str, payload: Json) -> Result<(), StoreError> {
         publish(self.conn, self.now, &self.flow_id, channel, key, &payload)
+    }
+
+    fn channel_len(&mut self, channel: &str, key: &str) -> Result<u64, StoreError> {
+        channel_len(self.conn, &self.flow_id, channel, key)
+    }
+
+    fn read_map(
+        &mut self,
+        name: &str,
+        query: &MapQuery,
+    ) -> Result<Vec<(String, Versioned)>, StoreError> {
+        read_map(self.conn, &self.flow_id, name, query)
+    }
+}
+
+/// The state a read-only RPC works on: one flow, inside one read transaction
+/// on a read connection. Reads are those of [`SqliteStateTx`]; every write is
+/// refused, so a body that tries one fails instead of writing through a
+/// connection that is not the writer.
+pub(super) struct SqliteReadTx<'c> {
+    conn: &'c Connection,
+    flow_id: String,
+    now: StoreMillis,
+}
+
+impl<'c> SqliteReadTx<'c> {
+    pub(super) fn new(conn: &'c Connection, flow_id: String, now: StoreMillis) -> Self {
+        Self { conn, flow_id, now }
+    }
+
+    fn refused(&self, what: &str) -> StoreError {
+        StoreError::Backend(format!(
+            "{what} on flow {} in a read-only transaction",
+            self.flow_id
+        ))
+    }
+}
+
+impl StateTx for SqliteReadTx<'_> {
+    fn now(&self) -> StoreMillis {
+        self.now
+    }
+
+    fn flow(&mut self) -> Result<Option<FlowInfo>, StoreError> {
+        flow_info(self.conn, &self.flow_id)
+    }
+
+    fn get(&mut self, name: &str, key: &str) -> Result<Option<Versioned>, StoreError> {
+        get(self.conn, &self.flow_id, name, key)
+    }
+
+    fn set(&mut self, name: &str, _key: &str, _value: Json) -> Result<i64, StoreError> {
+        Err(self.refused(&format!("set {name}")))
+    }
+
+    fn delete(&mut self, name: &str, _key: &str) -> Result<(), StoreError> {
+        Err(self.refused(&format!("delete {name}")))
+    }
+
+    fn lock(&mut self, name: &str) -> Result<(), RpcError> {
+        Err(RpcError::Rejected(format!(
+            "lock {name} on flow {} in a read-only transaction",
+            self.flow_id
+        )))
+    }
+
+    fn publish(&mut self, channel: &str, _key: &str, _payload: Json) -> Result<(), StoreError> {
+        Err(self.refused(&format!("publish to {channel}")))
     }
 
     fn channel_len(&mut self, channel: &str, key: &str) -> Result<u64, StoreError> {

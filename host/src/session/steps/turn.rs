@@ -1,0 +1,287 @@
+//! The Steps around a turn's user message: StartAgentSession,
+//! AwaitUserMessage and RecordTurnFailure, which have no failure route and
+//! so give a message (or a note) up on their last attempt rather than fail
+//! the session.
+
+use super::*;
+
+/// The text of the turn-failure note, one line per final record in deferral
+/// order. The host builds it, so the host bounds it: each call's arguments
+/// and outcome are quoted up to a cap, and past [`NOTE_BYTES`] calls are
+/// counted instead of listed, so that the note always fits what
+/// `build-user-message` may return.
+pub fn turn_failure_note(records: &[AgentToolCall]) -> String {
+    let mut note = String::from("[Dex] The previous turn failed after these tool calls ran:\n");
+    let mut unlisted = 0;
+    for record in records {
+        let line = format!(
+            "- {} {} -> {}: {}\n",
+            cut(&record.tool_name, NOTE_ARGUMENTS_BYTES, "the name is long"),
+            cut(
+                &record.arguments,
+                NOTE_ARGUMENTS_BYTES,
+                "the note quotes arguments in part"
+            ),
+            record.status.as_str(),
+            cut(
+                &record.describe_outcome(),
+                NOTE_OUTCOME_BYTES,
+                "the note quotes outcomes in part"
+            )
+        );
+        if unlisted > 0 || note.len() + line.len() > NOTE_BYTES {
+            unlisted += 1;
+        } else {
+            note.push_str(&line);
+        }
+    }
+    if unlisted > 0 {
+        note.push_str(&format!("- and {unlisted} more tool calls, not listed\n"));
+    }
+    note.push_str("Do not repeat these tool calls unless the user asks again.");
+    note
+}
+
+impl SessionSteps {
+    /// `build-user-message`, in a fresh sandbox; its role must be `user`.
+    async fn user_message(
+        &self,
+        ctx: &StepContext,
+        tag: &StepTag,
+        text: &str,
+    ) -> Result<wit::FrameworkMessage, StepError> {
+        let components = self.components()?;
+        let events = StepEvents::start(ctx, self.options.events_capacity, HashSet::new());
+        let env = self.env(ctx, tag.clone(), &events, BUILD_USER_MESSAGE_TIMEOUT);
+        let message = components.runner.build_user_message(env, text).await;
+        let leftovers = events.finish().await;
+        if !leftovers.is_empty() {
+            // Best effort, like every live event.
+            if let Err(err) = ctx.append_stream(AGENT_EVENTS, leftovers).await {
+                tracing::warn!(error = %err, "dropping the live events of build-user-message");
+            }
+        }
+        let message = message.map_err(|err| {
+            if err.never_ran() {
+                retryable(format!("{NOT_STARTED}{err}"))
+            } else {
+                retryable(err.to_string())
+            }
+        })?;
+        if message.role != wit::MessageRole::User {
+            return Err(retryable(format!(
+                "build-user-message returned a message with role {:?}; it must be user",
+                MessageRole::from(message.role)
+            )));
+        }
+        Ok(message)
+    }
+
+    /// Stores the user's message and starts the next turn.
+    async fn begin_turn(
+        &self,
+        ctx: &StepContext,
+        mut state: AgentState,
+        text: &str,
+        result: StepResult,
+    ) -> Result<StepResult, StepError> {
+        let number = state.turn_count + 1;
+        let turn = turn_id(number);
+        let tag = Self::tag(ctx, &turn);
+        let message = match self.user_message(ctx, &tag, text).await {
+            Ok(message) => message,
+            // These Steps have no failure route: on the last attempt the
+            // message is given up (and consumed) with the reason recorded,
+            // and the session waits for the next one, instead of failing.
+            // The runner never ran (no free instance, say, because other
+            // sessions fill its slots): nothing is wrong with the message,
+            // so it goes back to the end of the queue.
+            Err(err) if last_attempt(ctx) && err.to_string().starts_with(NOT_STARTED) => {
+                tracing::warn!(flow_id = %ctx.flow_id(), error = %err, "queueing a user message again");
+                let again = to_json(&AgentUserMessage {
+                    text: text.to_string(),
+                });
+                return Ok(StepResult::go_to(await_user_message_call())
+                    .with_writes(result.writes)
+                    .set(AGENT_STATE, to_json(&state))
+                    .publish(QUEUED_USER_MESSAGES, "", again));
+            }
+            Err(err) if last_attempt(ctx) => {
+                let error = format!("the user message could not be used: {err}");
+                tracing::warn!(flow_id = %ctx.flow_id(), %error, "a turn failed at its start");
+                state.turn_count = number;
+                state.active_turn_id = None;
+                state.status = SessionStatus::WaitingForUserMessage;
+                state.last_turn_error = Some(error.clone());
+                return Ok(StepResult::go_to(await_user_message_call())
+                    .with_writes(result.writes)
+                    .set(AGENT_STATE, to_json(&state))
+                    .append(
+                        AGENT_EVENTS,
+                        session_event(&tag, event_type::TURN_FAILED, json!({"error": error})),
+                    ));
+            }
+            Err(err) => return Err(err),
+        };
+        let sequence = state.message_count + 1;
+        state.turn_count = number;
+        state.active_turn_id = Some(turn.clone());
+        state.message_count = sequence;
+        state.status = SessionStatus::RunningModel;
+        let stored = AgentMessage::from_framework(sequence, &turn, &message);
+        Ok(StepResult::go_to(run_model_call())
+            .with_writes(result.writes)
+            .set_entry(
+                AGENT_MESSAGES,
+                &message_sequence_key(sequence),
+                to_json(&stored),
+            )
+            .set(AGENT_STATE, to_json(&state))
+            .append(
+                AGENT_EVENTS,
+                session_event(
+                    &tag,
+                    event_type::TURN_STARTED,
+                    json!({"sequence": sequence}),
+                ),
+            ))
+    }
+
+    pub async fn start_agent_session(
+        self: Arc<Self>,
+        ctx: StepContext,
+    ) -> Result<StepResult, StepError> {
+        let input: AgentSessionStartInput = match ctx.input() {
+            Json::Null => AgentSessionStartInput::default(),
+            other => decode("the session's start input", other.clone())?,
+        };
+        ctx.store()
+            .set_stream_capacity(ctx.flow_id(), AGENT_EVENTS, self.options.events_capacity)
+            .await?;
+        let state = AgentState::new();
+        let result = StepResult::go_to(await_user_message_call())
+            .set(AGENT_USAGE, to_json(&AgentUsage::default()));
+        match input.initial_message.as_deref() {
+            Some(text) if !text.trim().is_empty() => {
+                self.begin_turn(&ctx, state, text, result).await
+            }
+            _ => Ok(result.set(AGENT_STATE, to_json(&state))),
+        }
+    }
+
+    pub async fn await_user_message(
+        self: Arc<Self>,
+        ctx: StepContext,
+    ) -> Result<StepResult, StepError> {
+        let Some(message) = ctx.messages().first() else {
+            return Ok(StepResult::go_to(await_user_message_call()));
+        };
+        let user: AgentUserMessage = decode("a queued user message", message.payload.clone())?;
+        if user.text.trim().is_empty() {
+            return Ok(StepResult::go_to(await_user_message_call()));
+        }
+        let state = Self::state(&ctx).await?;
+        self.begin_turn(&ctx, state, &user.text, StepResult::end())
+            .await
+    }
+
+    pub async fn record_turn_failure(
+        self: Arc<Self>,
+        ctx: StepContext,
+    ) -> Result<StepResult, StepError> {
+        let mut state = Self::state(&ctx).await?;
+        let turn = state
+            .active_turn_id
+            .clone()
+            .unwrap_or_else(|| turn_id(state.turn_count));
+        let tag = Self::tag(&ctx, &turn);
+        let error = ctx.failure().unwrap_or("the turn failed").to_string();
+        let finished: Vec<AgentToolCall> = Self::records(&ctx)
+            .await?
+            .into_iter()
+            .filter(|r| r.status.is_final())
+            .collect();
+        let mut result = StepResult::go_to(await_user_message_call());
+        let mut error = error;
+        let note = if finished.is_empty() {
+            None
+        } else {
+            match self
+                .user_message(&ctx, &tag, &turn_failure_note(&finished))
+                .await
+            {
+                Ok(note) => Some(note),
+                // No failure route here either: on the last attempt the
+                // turn fails without its note, and says why.
+                Err(err) if last_attempt(&ctx) => {
+                    error = format!("{error} (and its failure note could not be built: {err})");
+                    None
+                }
+                Err(err) => return Err(err),
+            }
+        };
+        if let Some(note) = note {
+            let sequence = state.message_count + 1;
+            state.message_count = sequence;
+            let stored = AgentMessage::from_framework(sequence, &turn, &note);
+            result = result.set_entry(
+                AGENT_MESSAGES,
+                &message_sequence_key(sequence),
+                to_json(&stored),
+            );
+        }
+        state.status = SessionStatus::WaitingForUserMessage;
+        state.active_turn_id = None;
+        state.last_turn_error = Some(error.clone());
+        Ok(result
+            .clear(AGENT_TOOL_CALLS)
+            .delete(FRAMEWORK_RUN_STATE, "")
+            .clear(PENDING_INTERRUPTS)
+            .set(AGENT_STATE, to_json(&state))
+            .append(
+                AGENT_EVENTS,
+                session_event(&tag, event_type::TURN_FAILED, json!({"error": error})),
+            ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn final_record(n: usize, output: String) -> AgentToolCall {
+        AgentToolCall {
+            tool_call_id: format!("c{n}"),
+            turn_id: "turn-1".into(),
+            tool_name: "read_file".into(),
+            arguments: "x".repeat(10_000),
+            effect: ToolEffect::Read,
+            requires_approval: false,
+            status: ToolCallStatus::Succeeded,
+            output: Some(output),
+            error: None,
+            rejection_message: None,
+            deferral_order: n as u32,
+            output_limit: None,
+        }
+    }
+
+    #[test]
+    fn the_turn_failure_note_is_bounded_whatever_the_outputs() {
+        let records: Vec<AgentToolCall> = (0..300)
+            .map(|n| final_record(n, "a".repeat(1 << 20)))
+            .collect();
+        let note = turn_failure_note(&records);
+        assert!(note.len() <= NOTE_BYTES + 200, "{} bytes", note.len());
+        assert!(note.contains("more bytes cut: the note quotes outcomes in part"));
+        assert!(note.ends_with("Do not repeat these tool calls unless the user asks again."));
+        let listed = note
+            .lines()
+            .filter(|l| l.starts_with("- read_file"))
+            .count();
+        assert!(note.contains(&format!(
+            "- and {} more tool calls, not listed",
+            300 - listed
+        )));
+    }
+}
