@@ -2121,7 +2121,12 @@ async fn a_ten_thousand_delta_answer_is_stored_in_a_few_rows() {
         .iter()
         .filter_map(|e| e.data["text"].as_str())
         .collect();
-    assert_eq!(streamed, deltas.concat(), "every token, in order");
+    assert!(
+        streamed == deltas.concat(),
+        "every token, in order: {} of {} bytes streamed",
+        streamed.len(),
+        deltas.concat().len()
+    );
     println!(
         "10,000 deltas ({} bytes) stored as {} rows",
         streamed.len(),

@@ -994,6 +994,30 @@ pub(crate) fn exists(
 mod tests {
     use super::*;
 
+    /// A process creating or migrating the store holds its lock longer than
+    /// SQLite's busy timeout (a slow disk, a long migration): another
+    /// process opening the store meanwhile waits its turn instead of
+    /// failing with "database is locked".
+    #[test]
+    fn an_open_waits_for_a_creator_that_holds_the_store_past_the_busy_timeout() {
+        let dir = tempfile::tempdir().unwrap_or_else(|err| panic!("tempdir: {err}"));
+        let path = dir.path().join("held.sqlite");
+        let holder = Connection::open(&path).unwrap_or_else(|err| panic!("open: {err}"));
+        holder
+            .execute_batch("BEGIN EXCLUSIVE; CREATE TABLE creating (x INTEGER);")
+            .unwrap_or_else(|err| panic!("hold: {err}"));
+        let opener = std::thread::spawn({
+            let path = path.clone();
+            move || SqliteStore::open(&path, SqliteOptions::default()).map(|_| ())
+        });
+        std::thread::sleep(BUSY_TIMEOUT + Duration::from_secs(1));
+        holder
+            .execute_batch("COMMIT")
+            .unwrap_or_else(|err| panic!("release: {err}"));
+        let opened = opener.join().unwrap_or_else(|_| panic!("opener panicked"));
+        assert!(opened.is_ok(), "{opened:?}");
+    }
+
     /// Workers and clients that start together open one new store at the
     /// same moment; every open must succeed (SQLite refuses some of the
     /// lock takes of creating the file without waiting).
