@@ -9,8 +9,8 @@ use std::time::Duration;
 use dexa::flow::history::{ATTEMPT_FAILED, EXECUTE_COMPLETED, EXECUTE_FAILED, REDELIVERED};
 use dexa::flow::store::{AttemptFailure, FailureAction, StepCommit};
 use dexa::flow::{
-    FlowClient, FlowStatus, FlowStore, Json, RetryPolicy, RpcError, StepHistoryEntry, StoreError,
-    Worker, WorkerOptions,
+    FlowClient, FlowStatus, FlowStore, Json, NewTask, RetryPolicy, RpcError, StepHistoryEntry,
+    StoreError, Worker, WorkerOptions,
 };
 use dexa_tests::toy::{toy_registry, wait_until, Probe, SqliteFactory, StoreFactory};
 use serde_json::json;
@@ -852,6 +852,118 @@ async fn a_committed_entry_over_the_streams_capacity_does_not_refuse_the_commit(
     assert_eq!(payloads, vec![&json!({"small": true})]);
 }
 
+/// One flow's backlog (a fan-out) must not hold back another flow's next
+/// Step: a claim takes, among due tasks, those of flows running fewer Steps
+/// first, and a commit in a flow that runs other Steps claims nothing with
+/// it (its next task goes through the fair claim).
+async fn claims_favour_flows_running_fewer_steps(factory: &dyn StoreFactory) {
+    let stack = Stack::new(factory);
+    let types = vec!["Noop".to_string()];
+    stack
+        .client
+        .start_flow("Noop", "busy", json!({}))
+        .await
+        .expect("start");
+    let first = stack
+        .store
+        .claim("w", &types, 1, 10_000)
+        .await
+        .expect("claim")
+        .pop()
+        .expect("busy's first");
+    let now = stack.store.now().await.expect("now");
+    let step = |n: usize| NewTask {
+        step_type: "Step".into(),
+        input: json!({"n": n}),
+        wait: None,
+        policy: RetryPolicy::default(),
+        failure_route: None,
+        failure: None,
+        locks: Vec::new(),
+        not_before: now,
+    };
+    let history = |task: &dexa::flow::ClaimedTask| StepHistoryEntry {
+        event_type: EXECUTE_COMPLETED.into(),
+        step_type: task.step_type.clone(),
+        step_execution_id: task.step_execution_id.clone(),
+        final_attempt: task.attempt,
+        at: now,
+        detail: None,
+        started_at: None,
+    };
+    // busy fans out into five Steps and runs one of them.
+    stack
+        .store
+        .commit_step(StepCommit {
+            task_id: first.task_id,
+            lease_token: first.lease_token,
+            flow_id: "busy".into(),
+            consumed: vec![],
+            writes: vec![],
+            next: (0..5).map(step).collect(),
+            complete_flow: false,
+            history: history(&first),
+            claim_next: None,
+        })
+        .await
+        .expect("fan out");
+    let running = stack
+        .store
+        .claim("w", &types, 1, 10_000)
+        .await
+        .expect("claim")
+        .pop()
+        .expect("one of busy's five");
+    assert_eq!(running.flow_id, "busy");
+    // quiet's Step falls due after busy's four waiting ones, and goes first.
+    stack
+        .client
+        .start_flow("Noop", "quiet", json!({}))
+        .await
+        .expect("start");
+    let next = stack
+        .store
+        .claim("w", &types, 1, 10_000)
+        .await
+        .expect("claim")
+        .pop()
+        .expect("a task");
+    assert_eq!(next.flow_id, "quiet", "the flow running nothing goes first");
+    // A commit in busy, which still runs another Step, claims none of its
+    // four waiting ones with it.
+    let second = stack
+        .store
+        .claim("w", &types, 1, 10_000)
+        .await
+        .expect("claim")
+        .pop()
+        .expect("busy's next");
+    assert_eq!(second.flow_id, "busy");
+    let with_commit = stack
+        .store
+        .commit_step(StepCommit {
+            task_id: running.task_id,
+            lease_token: running.lease_token,
+            flow_id: "busy".into(),
+            consumed: vec![],
+            writes: vec![],
+            next: vec![],
+            complete_flow: false,
+            history: history(&running),
+            claim_next: Some(dexa::flow::store::ClaimNext {
+                worker_id: "w".into(),
+                max: 1,
+                lease_ms: 10_000,
+            }),
+        })
+        .await
+        .expect("commit");
+    assert!(
+        with_commit.is_empty(),
+        "a fan-out claims through the fair claim"
+    );
+}
+
 async fn stopping_a_flow_keeps_its_state_readable(factory: &dyn StoreFactory) {
     let mut stack = Stack::new(factory);
     stack.start_worker();
@@ -1080,6 +1192,7 @@ backends!(
     a_stale_workers_commit_is_refused,
     a_lapsed_lease_cannot_record_output,
     a_committed_entry_over_the_streams_capacity_does_not_refuse_the_commit,
+    claims_favour_flows_running_fewer_steps,
     a_redelivery_is_refused_once_output_is_recorded,
     a_single_attempt_step_never_acts_twice_under_lapsing_leases,
     stopping_a_flow_keeps_its_state_readable,

@@ -296,6 +296,9 @@ pub(super) enum ClaimScope<'a> {
     Flow(&'a str),
 }
 
+/// How many of the oldest due tasks a claim weighs for fairness (at least).
+const FAIR_CLAIM_WINDOW: usize = 256;
+
 pub(super) fn claim(
     conn: &Connection,
     now: StoreMillis,
@@ -309,16 +312,34 @@ pub(super) fn claim(
             format!("flow_type IN ({})", in_list(flow_types.len())),
             flow_types.iter().map(|t| t.clone().into()).collect(),
         ),
-        ClaimScope::Flow(flow_id) => ("flow_id = ?".to_string(), vec![flow_id.to_string().into()]),
+        // A flow's next Step rides with its commit only on a sequential
+        // path: a flow already running others (a fan-out) gets its next one
+        // through the fair claim below, so that it cannot keep a worker's
+        // slots from other flows by committing into them.
+        ClaimScope::Flow(flow_id) => (
+            "flow_id = ? AND NOT EXISTS (SELECT 1 FROM tasks AS l
+                WHERE l.flow_id = t.flow_id AND l.state = 'leased')"
+                .to_string(),
+            vec![flow_id.to_string().into()],
+        ),
     };
+    // Fair between flows: among the oldest due tasks, those of flows running
+    // fewer Steps come first, so one flow's backlog (a fan-out of hundreds
+    // of tool calls) delays another flow's next Step by one free slot, not
+    // by the backlog.
     let sql = format!(
-        "SELECT task_id FROM tasks
-         WHERE {filter}
-           AND ((state = 'ready' AND not_before_ms <= ?) OR (state = 'waiting' AND wake_at_ms <= ?))
-         ORDER BY not_before_ms, task_id LIMIT ?"
+        "SELECT task_id FROM (
+           SELECT task_id, flow_id, not_before_ms FROM tasks AS t
+           WHERE {filter}
+             AND ((state = 'ready' AND not_before_ms <= ?) OR (state = 'waiting' AND wake_at_ms <= ?))
+           ORDER BY not_before_ms, task_id LIMIT ?) AS due
+         ORDER BY (SELECT COUNT(*) FROM tasks AS l WHERE l.flow_id = due.flow_id AND l.state = 'leased'),
+                  not_before_ms, task_id
+         LIMIT ?"
     );
     values.push(now.into());
     values.push(now.into());
+    values.push((max.saturating_mul(4).max(FAIR_CLAIM_WINDOW) as i64).into());
     values.push((max as i64).into());
     let ids = {
         let mut stmt = conn.prepare_cached(&sql).map_err(backend)?;
