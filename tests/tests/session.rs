@@ -2183,3 +2183,40 @@ async fn a_runner_cannot_report_the_hosts_tool_calls() {
         );
     }
 }
+
+/// RecordTurnFailure has no failure route: when its note cannot be built
+/// (the runner traps on it), its last attempt ends the turn without the note
+/// and says why, and the session goes on.
+#[tokio::test]
+async fn a_failure_note_the_runner_cannot_take_still_ends_the_turn() {
+    let agent = echo_agent("NoNote").runner_config("refuse_notes", "yes");
+    let stack = started(vec![agent]).await;
+    let sessions = stack.sessions("NoNote");
+    let script = turn(json!([
+        {"tool_calls": [tool_call("c1", "echo", json!({"n": 1}), "read")]},
+        {"text": "never", "fail_attempts": 3}
+    ]));
+    sessions.start_session("s1", &script).await.unwrap();
+    let snapshot = wait_for_turns(&sessions, "s1", 1).await;
+    assert_eq!(snapshot.flow_status, FlowStatus::Running);
+    let error = snapshot
+        .state
+        .clone()
+        .and_then(|s| s.last_turn_error)
+        .unwrap_or_default();
+    assert!(
+        error.contains("scripted failure on attempt 3")
+            && error.contains("its failure note could not be built")
+            && error.contains("refuses the failure note"),
+        "{error}"
+    );
+    assert!(
+        dexa_tests::session::texts_of(&snapshot, MessageRole::User)
+            .iter()
+            .all(|t| !t.starts_with("[Dex]")),
+        "no note was stored"
+    );
+    assert!(sessions.send_user_message("s1", "hello").await.unwrap());
+    let after = wait_for_turns(&sessions, "s1", 2).await;
+    assert_eq!(after.state.and_then(|s| s.last_turn_error), None);
+}

@@ -38,7 +38,8 @@
 //! a tool call's `"requires_approval"` overrides the policy it returned.
 //!
 //! The config key `user_role` makes `build-user-message` use another role, to
-//! test the host's check that it is `user`.
+//! test the host's check that it is `user`; `refuse_notes` makes it trap on
+//! the host's turn-failure note.
 
 use dex::agents::types::{
     AgentMessage, DeferredToolCall, MessageRole, ModelMessage, ModelRequest, ModelToolCall,
@@ -363,6 +364,11 @@ fn request_tools(
 
 impl Guest for ScriptedRunner {
     fn build_user_message(text: String) -> FrameworkMessage {
+        // The host's turn-failure note starts with "[Dex]"; `refuse_notes`
+        // traps on it, to test that the failure still ends the turn.
+        if config::get("refuse_notes").is_some() && text.starts_with("[Dex]") {
+            panic!("scripted-runner refuses the failure note");
+        }
         let role = match config::get("user_role").as_deref() {
             Some("assistant") => MessageRole::Assistant,
             Some("system") => MessageRole::System,
