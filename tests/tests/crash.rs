@@ -478,3 +478,39 @@ async fn a_single_attempt_tool_that_never_started_is_recorded_failed() {
     let held = wait_for_turns(&holding, "holder", 1).await;
     assert_eq!(last_text(&held).as_deref(), Some("held"));
 }
+
+/// A runner whose sandbox cannot be set up at all (its granted directory is
+/// gone) never runs: the message goes back to the queue a few times, then is
+/// given up with the reason, instead of cycling forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_message_the_runner_never_gets_is_requeued_a_few_times_then_given_up() {
+    let mut stack = AgentTestStack::new(vec![agent(json!([{"steps": [{"text": "hi"}]}]))]);
+    stack.start_worker();
+    let sessions = stack.sessions(AGENT);
+    sessions.start_session("s1", "").await.unwrap();
+    wait_for_turns(&sessions, "s1", 0).await;
+    // Every component of the kit is granted gates/: without it, no sandbox.
+    std::fs::rename(stack.gates_dir(), stack.dir.path().join("gates-gone")).unwrap();
+    assert!(sessions.send_user_message("s1", "hello").await.unwrap());
+    let snapshot = wait_for_turns(&sessions, "s1", 1).await;
+    let error = snapshot
+        .state
+        .clone()
+        .and_then(|s| s.last_turn_error)
+        .unwrap_or_default();
+    assert!(
+        error.contains("the user message could not be used") && error.contains("did not start"),
+        "{error}"
+    );
+    let history = stack.read_step_history("s1").await;
+    let attempts = history
+        .iter()
+        .filter(|e| {
+            e.step_type == step::AWAIT_USER_MESSAGE && e.event_type == history::ATTEMPT_FAILED
+        })
+        .count();
+    assert_eq!(
+        attempts, 8,
+        "4 rounds of 3 attempts, the last of each committing"
+    );
+}

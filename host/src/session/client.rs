@@ -333,6 +333,7 @@ impl AgentSessionClient {
         }
         let message = serde_json::to_value(AgentUserMessage {
             text: text.to_string(),
+            requeued: 0,
         })
         .map_err(|err| RpcError::Rejected(err.to_string()))?;
         let key = idempotency_key.map(|key| {

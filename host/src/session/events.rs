@@ -453,7 +453,8 @@ impl StepEvents {
         self.buffer.clone()
     }
 
-    /// [`Self::finish`], then the held tool events, less those about a call
+    /// [`Self::finish`], then the held tool events (after the Step's other
+    /// events, at most [`MAX_FLUSH_ENTRIES`] more), less those about a call
     /// in `refused` (the calls the outcome defers, which the host runs).
     pub async fn finish_refusing(self, refused: &HashSet<String>) -> Vec<Json> {
         let held = self

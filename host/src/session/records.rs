@@ -359,6 +359,13 @@ impl AgentUsage {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AgentUserMessage {
     pub text: String,
+    /// How often the host queued it again because the runner never ran.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub requeued: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// Published once per tool call when its record becomes final.

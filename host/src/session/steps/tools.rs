@@ -3,6 +3,9 @@
 
 use super::*;
 
+/// The least of a failure's reason a record keeps, whatever its share.
+const ERROR_FLOOR_BYTES: usize = 256;
+
 impl SessionSteps {
     pub async fn await_tool_approval(
         self: Arc<Self>,
@@ -178,13 +181,14 @@ impl SessionSteps {
         } else {
             ToolCallStatus::OutcomeUnknown
         };
-        // Within the call's share of the turn's output budget, like an output.
+        // Within the call's share of the turn's output budget, like an output,
+        // but never less than enough to say why.
         let limit = record
             .output_limit
             .map_or(ERROR_TEXT_BYTES, |l| {
                 usize::try_from(l).unwrap_or(usize::MAX)
             })
-            .min(ERROR_TEXT_BYTES);
+            .clamp(ERROR_FLOOR_BYTES, ERROR_TEXT_BYTES);
         record.error = Some(cut(
             &format!("the tool call did not complete: {detail}"),
             limit,

@@ -5,6 +5,10 @@
 
 use super::*;
 
+/// How often a user message goes back to the queue because the runner never
+/// ran, before it is given up like any other failure.
+const MAX_REQUEUES: u32 = 3;
+
 /// The text of the turn-failure note, one line per final record in deferral
 /// order. The host builds it, so the host bounds it: each call's arguments
 /// and outcome are quoted up to a cap, and past [`NOTE_BYTES`] calls are
@@ -82,12 +86,13 @@ impl SessionSteps {
         &self,
         ctx: &StepContext,
         mut state: AgentState,
-        text: &str,
+        user: &AgentUserMessage,
         result: StepResult,
     ) -> Result<StepResult, StepError> {
         let number = state.turn_count + 1;
         let turn = turn_id(number);
         let tag = Self::tag(ctx, &turn);
+        let text = user.text.as_str();
         let message = match self.user_message(ctx, &tag, text).await {
             Ok(message) => message,
             // These Steps have no failure route: on the last attempt the
@@ -95,11 +100,17 @@ impl SessionSteps {
             // and the session waits for the next one, instead of failing.
             // The runner never ran (no free instance, say, because other
             // sessions fill its slots): nothing is wrong with the message,
-            // so it goes back to the end of the queue.
-            Err(err) if last_attempt(ctx) && err.to_string().starts_with(NOT_STARTED) => {
+            // so it goes back to the end of the queue, a few times at most
+            // (a sandbox that cannot be set up at all would loop forever).
+            Err(err)
+                if last_attempt(ctx)
+                    && err.to_string().starts_with(NOT_STARTED)
+                    && user.requeued < MAX_REQUEUES =>
+            {
                 tracing::warn!(flow_id = %ctx.flow_id(), error = %err, "queueing a user message again");
                 let again = to_json(&AgentUserMessage {
                     text: text.to_string(),
+                    requeued: user.requeued + 1,
                 });
                 return Ok(StepResult::go_to(await_user_message_call())
                     .with_writes(result.writes)
@@ -163,7 +174,11 @@ impl SessionSteps {
             .set(AGENT_USAGE, to_json(&AgentUsage::default()));
         match input.initial_message.as_deref() {
             Some(text) if !text.trim().is_empty() => {
-                self.begin_turn(&ctx, state, text, result).await
+                let user = AgentUserMessage {
+                    text: text.to_string(),
+                    requeued: 0,
+                };
+                self.begin_turn(&ctx, state, &user, result).await
             }
             _ => Ok(result.set(AGENT_STATE, to_json(&state))),
         }
@@ -181,8 +196,7 @@ impl SessionSteps {
             return Ok(StepResult::go_to(await_user_message_call()));
         }
         let state = Self::state(&ctx).await?;
-        self.begin_turn(&ctx, state, &user.text, StepResult::end())
-            .await
+        self.begin_turn(&ctx, state, &user, StepResult::end()).await
     }
 
     pub async fn record_turn_failure(

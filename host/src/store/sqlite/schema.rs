@@ -48,6 +48,8 @@ CREATE INDEX IF NOT EXISTS tasks_ready ON tasks (state, not_before_ms);
 CREATE INDEX IF NOT EXISTS tasks_waking ON tasks (state, wake_at_ms);
 CREATE INDEX IF NOT EXISTS tasks_leased ON tasks (state, lease_expires_ms);
 CREATE INDEX IF NOT EXISTS tasks_by_flow ON tasks (flow_id, wait_channel, wait_key);
+-- Fair claims count each candidate flow's leased tasks.
+CREATE INDEX IF NOT EXISTS tasks_by_flow_state ON tasks (flow_id, state);
 
 -- Attributes use key ''; AttributeMaps one row per key.
 CREATE TABLE IF NOT EXISTS attributes (

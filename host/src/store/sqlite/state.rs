@@ -323,17 +323,21 @@ pub(super) fn claim(
             vec![flow_id.to_string().into()],
         ),
     };
-    // Fair between flows: among the oldest due tasks, those of flows running
-    // fewer Steps come first, so one flow's backlog (a fan-out of hundreds
-    // of tool calls) delays another flow's next Step by one free slot, not
-    // by the backlog.
+    // Fair between flows: among the oldest due tasks (a window of at least
+    // FAIR_CLAIM_WINDOW), a task goes first when its flow runs fewer Steps,
+    // counting those this claim takes before it (its rank within its flow),
+    // so that one flow's backlog (a fan-out of hundreds of tool calls)
+    // delays another flow's next Step by a free slot, not by the backlog.
     let sql = format!(
         "SELECT task_id FROM (
-           SELECT task_id, flow_id, not_before_ms FROM tasks AS t
-           WHERE {filter}
-             AND ((state = 'ready' AND not_before_ms <= ?) OR (state = 'waiting' AND wake_at_ms <= ?))
-           ORDER BY not_before_ms, task_id LIMIT ?) AS due
-         ORDER BY (SELECT COUNT(*) FROM tasks AS l WHERE l.flow_id = due.flow_id AND l.state = 'leased'),
+           SELECT task_id, flow_id, not_before_ms,
+                  ROW_NUMBER() OVER (PARTITION BY flow_id ORDER BY not_before_ms, task_id) AS rank
+           FROM (
+             SELECT task_id, flow_id, not_before_ms FROM tasks AS t
+             WHERE {filter}
+               AND ((state = 'ready' AND not_before_ms <= ?) OR (state = 'waiting' AND wake_at_ms <= ?))
+             ORDER BY not_before_ms, task_id LIMIT ?)) AS due
+         ORDER BY rank + (SELECT COUNT(*) FROM tasks AS l WHERE l.flow_id = due.flow_id AND l.state = 'leased'),
                   not_before_ms, task_id
          LIMIT ?"
     );
