@@ -16,14 +16,19 @@
 //!   the file. `synchronous=FULL` fsyncs every commit (see `dexa bench engine`
 //!   for the cost).
 
+mod connection;
 mod schema;
 mod state;
+mod writer;
+
+use connection::{open_reader, open_writer};
+pub use connection::{SqliteOptions, Synchronous};
+use writer::{run_writer, spawn_checkpointer, JobDone, WriteJob};
 
 use std::any::Any;
 use std::path::{Path, PathBuf};
-use std::str::FromStr;
 use std::sync::{mpsc, Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use rusqlite::{params, Connection, OptionalExtension};
@@ -40,40 +45,8 @@ use crate::flow::types::{
 
 use state::SqliteStateTx;
 
-/// How hard SQLite syncs a commit to disk.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum Synchronous {
-    /// Durable across process crashes; see the module docs.
-    #[default]
-    Normal,
-    /// Also durable across OS crashes and power loss; one fsync per commit.
-    Full,
-}
-
-impl FromStr for Synchronous {
-    type Err = String;
-
-    fn from_str(text: &str) -> Result<Self, Self::Err> {
-        match text.to_ascii_lowercase().as_str() {
-            "normal" => Ok(Synchronous::Normal),
-            "full" => Ok(Synchronous::Full),
-            other => Err(format!("synchronous must be normal or full, not {other:?}")),
-        }
-    }
-}
-
-/// How a SQLite store is opened: `store = "sqlite:PATH?synchronous=full"`.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct SqliteOptions {
-    pub synchronous: Synchronous,
-}
-
 /// The default capacity of a stream, in bytes.
 pub const DEFAULT_STREAM_CAPACITY: u64 = 10 << 20;
-
-const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
-const WATCH_INTERVAL: Duration = Duration::from_millis(10);
-const CHECKPOINT_INTERVAL: Duration = Duration::from_secs(1);
 
 impl Inner {
     /// Runs `work` on a pooled read connection (a new one when none is free).
@@ -111,23 +84,6 @@ struct Inner {
     signal: Arc<Notify>,
 }
 
-/// What a write job reports back to the writer thread.
-struct JobDone {
-    /// False rolls the job's savepoint back.
-    ok: bool,
-    /// The job may have made a task ready: wake the workers.
-    wake: bool,
-    /// Hands the result to the caller once the batch's commit is known.
-    deliver: Box<dyn FnOnce(Result<(), String>) + Send>,
-}
-
-/// A write, run by the writer thread inside the batch's transaction, or
-/// handed the reason no transaction could be opened.
-type WriteJob = Box<dyn FnOnce(Result<&Connection, String>, StoreMillis) -> JobDone + Send>;
-
-/// Writes queued together share one transaction (group commit).
-const MAX_BATCH: usize = 256;
-
 pub(crate) fn backend(err: impl std::fmt::Display) -> StoreError {
     StoreError::Backend(err.to_string())
 }
@@ -156,68 +112,6 @@ pub(crate) fn cached_query_row<T>(
     f: impl FnOnce(&rusqlite::Row<'_>) -> rusqlite::Result<T>,
 ) -> rusqlite::Result<T> {
     conn.prepare_cached(sql)?.query_row(params, f)
-}
-
-/// A further connection to a store whose writer is open (its file is in WAL
-/// mode already, so this takes no lock that can be refused for long).
-fn open_reader(path: &Path, options: &SqliteOptions) -> Result<Connection, StoreError> {
-    let started = Instant::now();
-    loop {
-        match connect(path, options) {
-            Err(err) if is_lock_wait(&err) && started.elapsed() < OPEN_PATIENCE => {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            other => return other,
-        }
-    }
-}
-
-fn connect(path: &Path, options: &SqliteOptions) -> Result<Connection, StoreError> {
-    let conn = Connection::open(path)
-        .map_err(|err| StoreError::Backend(format!("cannot open {}: {err}", path.display())))?;
-    conn.busy_timeout(BUSY_TIMEOUT).map_err(backend)?;
-    conn.pragma_update(None, "journal_mode", "WAL")
-        .map_err(backend)?;
-    let sync = match options.synchronous {
-        Synchronous::Normal => "NORMAL",
-        Synchronous::Full => "FULL",
-    };
-    conn.pragma_update(None, "synchronous", sync)
-        .map_err(backend)?;
-    conn.set_prepared_statement_cache_capacity(256);
-    Ok(conn)
-}
-
-/// How long opening a store waits for other processes that are creating or
-/// migrating the same file at the same moment.
-const OPEN_PATIENCE: Duration = Duration::from_secs(30);
-
-/// SQLite's own words for a lock another connection holds.
-fn is_lock_wait(err: &StoreError) -> bool {
-    matches!(err, StoreError::Backend(message)
-        if message.contains("database is locked") || message.contains("database is busy"))
-}
-
-/// The writer connection, with the schema created or migrated. Switching a
-/// new file to WAL and migrating take locks that SQLite may refuse at once
-/// (without its busy handler) while another process does the same, so
-/// those refusals wait their turn instead of failing the open.
-fn open_writer(path: &Path, options: &SqliteOptions) -> Result<Connection, StoreError> {
-    let started = Instant::now();
-    let mut pause = Duration::from_millis(5);
-    loop {
-        let attempt = connect(path, options).and_then(|mut conn| {
-            schema::migrate(&mut conn)?;
-            Ok(conn)
-        });
-        match attempt {
-            Err(err) if is_lock_wait(&err) && started.elapsed() < OPEN_PATIENCE => {
-                std::thread::sleep(pause);
-                pause = (pause * 2).min(Duration::from_millis(200));
-            }
-            other => return other,
-        }
-    }
 }
 
 impl SqliteStore {
@@ -375,125 +269,6 @@ impl SqliteStore {
         held.await
             .map_err(|_| backend("the SQLite writer dropped the hold"))
     }
-}
-
-/// The writer thread: owns the write connection, runs queued writes in
-/// batches (one transaction, a savepoint per write, one commit), and between
-/// batches watches `data_version`, which changes only when another process
-/// commits, to wake this process's workers.
-fn run_writer(
-    conn: Connection,
-    queue: mpsc::Receiver<WriteJob>,
-    signal: Arc<Notify>,
-    // Dropped with this thread, which stops the checkpointer.
-    _checkpoints: mpsc::Sender<()>,
-) {
-    let data_version = |conn: &Connection| -> Option<i64> {
-        conn.query_row("PRAGMA data_version", [], |row| row.get(0))
-            .ok()
-    };
-    let mut last_version = data_version(&conn);
-    let mut last_check = Instant::now();
-    loop {
-        match queue.recv_timeout(WATCH_INTERVAL) {
-            Ok(first) => {
-                let mut batch = vec![first];
-                while batch.len() < MAX_BATCH {
-                    match queue.try_recv() {
-                        Ok(job) => batch.push(job),
-                        Err(_) => break,
-                    }
-                }
-                if run_batch(&conn, batch) {
-                    signal.notify_waiters();
-                }
-            }
-            Err(mpsc::RecvTimeoutError::Timeout) => {}
-            Err(mpsc::RecvTimeoutError::Disconnected) => break,
-        }
-        if last_check.elapsed() >= WATCH_INTERVAL {
-            last_check = Instant::now();
-            let version = data_version(&conn);
-            if version != last_version {
-                last_version = version;
-                signal.notify_waiters();
-            }
-        }
-    }
-}
-
-/// Copies the WAL back into the database file every second, without
-/// blocking writers; it stops when the writer thread does.
-fn spawn_checkpointer(conn: Connection) -> Result<mpsc::Sender<()>, StoreError> {
-    let (alive, stopped) = mpsc::channel::<()>();
-    std::thread::Builder::new()
-        .name("dexa-sqlite-checkpoint".to_string())
-        .spawn(move || {
-            while let Err(mpsc::RecvTimeoutError::Timeout) =
-                stopped.recv_timeout(CHECKPOINT_INTERVAL)
-            {
-                if let Err(err) = conn.execute_batch("PRAGMA wal_checkpoint(PASSIVE)") {
-                    tracing::debug!(error = %err, "WAL checkpoint failed; will retry");
-                }
-            }
-        })
-        .map_err(|err| StoreError::Backend(format!("cannot start the checkpoint thread: {err}")))?;
-    Ok(alive)
-}
-
-/// Runs one batch; true when a committed write may have made work ready.
-fn run_batch(conn: &Connection, batch: Vec<WriteJob>) -> bool {
-    let began = cached_execute(conn, "BEGIN IMMEDIATE", []);
-    // The clock is read once the write lock is held: BEGIN may wait up to
-    // the busy timeout for another process, and a time read before it
-    // would shorten every lease the batch grants and misjudge expiries.
-    let now = now_millis();
-    if let Err(err) = began {
-        let reason = format!("cannot begin a write transaction: {err}");
-        for job in batch {
-            (job(Err(reason.clone()), now).deliver)(Err(reason.clone()));
-        }
-        return false;
-    }
-    let mut done = Vec::with_capacity(batch.len());
-    for job in batch {
-        let savepoint = cached_execute(conn, "SAVEPOINT job", []);
-        let outcome = match savepoint {
-            Ok(_) => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(Ok(conn), now))),
-            Err(err) => Ok(job(Err(format!("cannot open a savepoint: {err}")), now)),
-        };
-        match outcome {
-            Ok(result) => {
-                let closed = if result.ok {
-                    cached_execute(conn, "RELEASE job", [])
-                } else {
-                    cached_execute(conn, "ROLLBACK TO job", [])
-                        .and_then(|_| cached_execute(conn, "RELEASE job", []))
-                };
-                if let Err(err) = closed {
-                    tracing::error!(error = %err, "closing a savepoint failed");
-                }
-                done.push(result);
-            }
-            Err(_) => {
-                // The job panicked (its reply sender is gone with it): undo it.
-                tracing::error!("a store write panicked; it was rolled back");
-                let _ = cached_execute(conn, "ROLLBACK TO job", [])
-                    .and_then(|_| cached_execute(conn, "RELEASE job", []));
-            }
-        }
-    }
-    let committed = cached_execute(conn, "COMMIT", [])
-        .map(|_| ())
-        .map_err(|err| {
-            let _ = conn.execute_batch("ROLLBACK");
-            format!("commit failed: {err}")
-        });
-    let wake = committed.is_ok() && done.iter().any(|d| d.wake);
-    for result in done {
-        (result.deliver)(committed.clone());
-    }
-    wake
 }
 
 fn in_list(count: usize) -> String {
@@ -988,58 +763,4 @@ pub(crate) fn exists(
         .optional()
         .map(|found| found.is_some())
         .map_err(backend)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A process creating or migrating the store holds its lock longer than
-    /// SQLite's busy timeout (a slow disk, a long migration): another
-    /// process opening the store meanwhile waits its turn instead of
-    /// failing with "database is locked".
-    #[test]
-    fn an_open_waits_for_a_creator_that_holds_the_store_past_the_busy_timeout() {
-        let dir = tempfile::tempdir().unwrap_or_else(|err| panic!("tempdir: {err}"));
-        let path = dir.path().join("held.sqlite");
-        let holder = Connection::open(&path).unwrap_or_else(|err| panic!("open: {err}"));
-        holder
-            .execute_batch("BEGIN EXCLUSIVE; CREATE TABLE creating (x INTEGER);")
-            .unwrap_or_else(|err| panic!("hold: {err}"));
-        let opener = std::thread::spawn({
-            let path = path.clone();
-            move || SqliteStore::open(&path, SqliteOptions::default()).map(|_| ())
-        });
-        std::thread::sleep(BUSY_TIMEOUT + Duration::from_secs(1));
-        holder
-            .execute_batch("COMMIT")
-            .unwrap_or_else(|err| panic!("release: {err}"));
-        let opened = opener.join().unwrap_or_else(|_| panic!("opener panicked"));
-        assert!(opened.is_ok(), "{opened:?}");
-    }
-
-    /// Workers and clients that start together open one new store at the
-    /// same moment; every open must succeed (SQLite refuses some of the
-    /// lock takes of creating the file without waiting).
-    #[test]
-    fn many_openers_of_one_new_store_all_succeed() {
-        for round in 0..5 {
-            let dir = tempfile::tempdir().unwrap_or_else(|err| panic!("tempdir: {err}"));
-            let path = dir.path().join(format!("new-{round}.sqlite"));
-            let start = Arc::new(std::sync::Barrier::new(12));
-            let openers: Vec<_> = (0..12)
-                .map(|_| {
-                    let (path, start) = (path.clone(), start.clone());
-                    std::thread::spawn(move || {
-                        start.wait();
-                        SqliteStore::open(&path, SqliteOptions::default()).map(|_| ())
-                    })
-                })
-                .collect();
-            for opener in openers {
-                let opened = opener.join().unwrap_or_else(|_| panic!("opener panicked"));
-                assert!(opened.is_ok(), "round {round}: {opened:?}");
-            }
-        }
-    }
 }
