@@ -19,6 +19,7 @@
 mod connection;
 mod schema;
 mod state;
+mod streams;
 mod writer;
 
 use connection::{open_reader, open_writer};
@@ -620,7 +621,7 @@ impl FlowStore for SqliteStore {
         let (flow_id, stream) = (flow_id.to_string(), stream.to_string());
         self.write_quietly(move |tx, now| {
             state::record_output(tx, now, task_id, lease_token)?;
-            state::append_fitting(tx, now, &flow_id, &stream, &payloads)?;
+            streams::append_fitting(tx, now, &flow_id, &stream, &payloads)?;
             Ok(())
         })
         .await
@@ -661,7 +662,7 @@ impl FlowStore for SqliteStore {
     ) -> Result<Vec<i64>, StoreError> {
         let (flow_id, stream) = (flow_id.to_string(), stream.to_string());
         self.write_quietly(move |tx, now| {
-            state::append_stream(tx, now, &flow_id, &stream, &payloads)
+            streams::append_stream(tx, now, &flow_id, &stream, &payloads)
         })
         .await
     }
@@ -674,7 +675,7 @@ impl FlowStore for SqliteStore {
         limit: usize,
     ) -> Result<StreamPage, StoreError> {
         let (flow_id, stream) = (flow_id.to_string(), stream.to_string());
-        self.read(move |conn, _| state::read_stream(conn, &flow_id, &stream, after_seq, limit))
+        self.read(move |conn, _| streams::read_stream(conn, &flow_id, &stream, after_seq, limit))
             .await
     }
 
@@ -686,7 +687,7 @@ impl FlowStore for SqliteStore {
     ) -> Result<(), StoreError> {
         let (flow_id, stream) = (flow_id.to_string(), stream.to_string());
         self.write_quietly(move |tx, _| {
-            state::set_stream_capacity(tx, &flow_id, &stream, capacity_bytes)
+            streams::set_stream_capacity(tx, &flow_id, &stream, capacity_bytes)
         })
         .await
     }

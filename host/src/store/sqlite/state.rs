@@ -3,18 +3,18 @@
 
 use rusqlite::{params, params_from_iter, Connection, OptionalExtension, Row};
 
-use super::{backend, cached_execute, cached_query_row, exists, in_list, DEFAULT_STREAM_CAPACITY};
+use super::{backend, cached_execute, cached_query_row, exists, in_list};
 use crate::flow::store::{ExpiredLease, RpcError, StateTx, StepCommit, StoreError};
 use crate::flow::types::{
     ChannelMessage, ClaimedTask, FlowInfo, Json, MapQuery, NewTask, RetryPolicy, StateWrite,
-    StepHistoryEntry, StoreMillis, StreamEntry, StreamPage, Versioned,
+    StepHistoryEntry, StoreMillis, Versioned,
 };
 
 fn corrupt(what: &str, err: impl std::fmt::Display) -> StoreError {
     StoreError::Corrupt(format!("{what}: {err}"))
 }
 
-fn parse_json(what: &str, text: &str) -> Result<Json, StoreError> {
+pub(super) fn parse_json(what: &str, text: &str) -> Result<Json, StoreError> {
     serde_json::from_str(text).map_err(|err| corrupt(what, err))
 }
 
@@ -538,7 +538,13 @@ pub(super) fn apply_write(
             payload,
         } => publish(conn, now, flow_id, channel, key, payload)?,
         StateWrite::Append { stream, payload } => {
-            append_fitting(conn, now, flow_id, stream, std::slice::from_ref(payload))?;
+            super::streams::append_fitting(
+                conn,
+                now,
+                flow_id,
+                stream,
+                std::slice::from_ref(payload),
+            )?;
         }
     }
     Ok(())
@@ -667,192 +673,6 @@ pub(super) fn channel_len(
     )
     .map(|n| n as u64)
     .map_err(backend)
-}
-
-fn stream_meta(
-    conn: &Connection,
-    flow_id: &str,
-    stream: &str,
-) -> Result<(i64, u64, u64), StoreError> {
-    let meta = cached_query_row(conn,
-            "SELECT next_seq, total_bytes, capacity_bytes FROM streams WHERE flow_id = ?1 AND stream = ?2",
-            params![flow_id, stream],
-            |row| Ok((row.get::<_, i64>(0)?, row.get::<_, i64>(1)? as u64, row.get::<_, i64>(2)? as u64)),
-        )
-        .optional()
-        .map_err(backend)?;
-    Ok(meta.unwrap_or((1, 0, DEFAULT_STREAM_CAPACITY)))
-}
-
-fn save_stream_meta(
-    conn: &Connection,
-    flow_id: &str,
-    stream: &str,
-    meta: (i64, u64, u64),
-) -> Result<(), StoreError> {
-    cached_execute(conn,
-        "INSERT INTO streams (flow_id, stream, next_seq, total_bytes, capacity_bytes) VALUES (?1, ?2, ?3, ?4, ?5)
-         ON CONFLICT (flow_id, stream) DO UPDATE SET next_seq = excluded.next_seq,
-            total_bytes = excluded.total_bytes, capacity_bytes = excluded.capacity_bytes",
-        params![flow_id, stream, meta.0, meta.1 as i64, meta.2 as i64],
-    )
-    .map_err(backend)?;
-    Ok(())
-}
-
-/// Drops the oldest entries until the stream fits its capacity.
-fn trim_stream(
-    conn: &Connection,
-    flow_id: &str,
-    stream: &str,
-    total: &mut u64,
-    capacity: u64,
-) -> Result<(), StoreError> {
-    while *total > capacity {
-        let oldest = cached_query_row(conn,
-                "SELECT seq, bytes FROM stream_entries WHERE flow_id = ?1 AND stream = ?2 ORDER BY seq LIMIT 1",
-                params![flow_id, stream],
-                |row| Ok((row.get::<_, i64>(0)?, row.get::<_, i64>(1)? as u64)),
-            )
-            .optional()
-            .map_err(backend)?;
-        let Some((seq, bytes)) = oldest else {
-            *total = 0;
-            break;
-        };
-        cached_execute(
-            conn,
-            "DELETE FROM stream_entries WHERE flow_id = ?1 AND stream = ?2 AND seq = ?3",
-            params![flow_id, stream, seq],
-        )
-        .map_err(backend)?;
-        *total = total.saturating_sub(bytes);
-    }
-    Ok(())
-}
-
-/// Appends what fits the stream, judged by the stream's own capacity (which
-/// may be smaller than what the writer was configured with when the stream
-/// was created): an entry that can never fit is dropped with a warning,
-/// never a reason to refuse the write it rides in (a Step's commit, its
-/// "started" marker), which would fail again on every retry.
-pub(super) fn append_fitting(
-    conn: &Connection,
-    now: StoreMillis,
-    flow_id: &str,
-    stream: &str,
-    payloads: &[Json],
-) -> Result<Vec<i64>, StoreError> {
-    let (_, _, capacity) = stream_meta(conn, flow_id, stream)?;
-    let fitting: Vec<Json> = payloads
-        .iter()
-        .filter(|payload| {
-            let bytes = payload.to_string().len() as u64;
-            if bytes > capacity {
-                tracing::warn!(
-                    flow_id,
-                    stream,
-                    bytes,
-                    capacity,
-                    "dropping a stream entry larger than the stream's capacity"
-                );
-            }
-            bytes <= capacity
-        })
-        .cloned()
-        .collect();
-    append_stream(conn, now, flow_id, stream, &fitting)
-}
-
-pub(super) fn append_stream(
-    conn: &Connection,
-    now: StoreMillis,
-    flow_id: &str,
-    stream: &str,
-    payloads: &[Json],
-) -> Result<Vec<i64>, StoreError> {
-    let (mut next_seq, mut total, capacity) = stream_meta(conn, flow_id, stream)?;
-    let mut seqs = Vec::with_capacity(payloads.len());
-    for payload in payloads {
-        let text = payload.to_string();
-        let bytes = text.len() as u64;
-        if bytes > capacity {
-            return Err(StoreError::Conflict(format!(
-                "a {bytes}-byte entry does not fit stream {stream} (capacity {capacity} bytes)"
-            )));
-        }
-        cached_execute(conn,
-            "INSERT INTO stream_entries (flow_id, stream, seq, payload, bytes, at_ms) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-            params![flow_id, stream, next_seq, text, bytes as i64, now],
-        )
-        .map_err(backend)?;
-        seqs.push(next_seq);
-        next_seq += 1;
-        total += bytes;
-    }
-    trim_stream(conn, flow_id, stream, &mut total, capacity)?;
-    save_stream_meta(conn, flow_id, stream, (next_seq, total, capacity))?;
-    Ok(seqs)
-}
-
-pub(super) fn set_stream_capacity(
-    conn: &Connection,
-    flow_id: &str,
-    stream: &str,
-    capacity: u64,
-) -> Result<(), StoreError> {
-    let (next_seq, mut total, _) = stream_meta(conn, flow_id, stream)?;
-    trim_stream(conn, flow_id, stream, &mut total, capacity)?;
-    save_stream_meta(conn, flow_id, stream, (next_seq, total, capacity))
-}
-
-pub(super) fn read_stream(
-    conn: &Connection,
-    flow_id: &str,
-    stream: &str,
-    after_seq: i64,
-    limit: usize,
-) -> Result<StreamPage, StoreError> {
-    let (next_seq, _, _) = stream_meta(conn, flow_id, stream)?;
-    let first_seq: Option<i64> = cached_query_row(
-        conn,
-        "SELECT MIN(seq) FROM stream_entries WHERE flow_id = ?1 AND stream = ?2",
-        params![flow_id, stream],
-        |row| row.get(0),
-    )
-    .map_err(backend)?;
-    let mut stmt = conn
-        .prepare_cached(
-            "SELECT seq, payload, at_ms FROM stream_entries
-             WHERE flow_id = ?1 AND stream = ?2 AND seq > ?3 ORDER BY seq LIMIT ?4",
-        )
-        .map_err(backend)?;
-    let rows = stmt
-        .query_map(params![flow_id, stream, after_seq, limit as i64], |row| {
-            Ok((
-                row.get::<_, i64>(0)?,
-                row.get::<_, String>(1)?,
-                row.get::<_, i64>(2)?,
-            ))
-        })
-        .map_err(backend)?
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(backend)?;
-    let entries = rows
-        .into_iter()
-        .map(|(seq, payload, at)| {
-            Ok(StreamEntry {
-                seq,
-                payload: parse_json("stream entry", &payload)?,
-                at,
-            })
-        })
-        .collect::<Result<Vec<_>, StoreError>>()?;
-    Ok(StreamPage {
-        entries,
-        first_seq: first_seq.unwrap_or(next_seq),
-        next_seq,
-    })
 }
 
 pub(super) fn expired_leases(
