@@ -10,6 +10,7 @@ pub mod chat_server;
 pub mod hostile;
 pub mod kit;
 pub mod languages;
+pub mod measure;
 pub mod session;
 pub mod toy;
 

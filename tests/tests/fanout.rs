@@ -8,12 +8,10 @@
 //! while it measures.
 
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use dexa::session::{AgentSessionClient, ListAgentMessagesRequest, MessageRole};
 use dexa_tests::kit::{wait_for_turns, AgentTestStack};
+use dexa_tests::measure::{healthy_turns, p50, rss_mib, PeakRss};
 use dexa_tests::session::texts_of;
 use dexa_tests::{guest_wasm, repo_root};
 use serde_json::json;
@@ -95,21 +93,6 @@ tools = ["echo-tool"]
     )
 }
 
-/// Sorted latencies of `turns` healthy turns in a new session `id`.
-async fn healthy_turns(sessions: &AgentSessionClient, id: &str, turns: u64) -> Vec<Duration> {
-    sessions.start_session(id, "").await.expect("start healthy");
-    wait_for_turns(sessions, id, 0).await;
-    let mut samples = Vec::new();
-    for turn in 1..=turns {
-        let started = Instant::now();
-        assert!(sessions.send_user_message(id, "hello").await.expect("send"));
-        wait_for_turns(sessions, id, turn).await;
-        samples.push(started.elapsed());
-    }
-    samples.sort();
-    samples
-}
-
 /// The texts of every stored message of `role`, paged (a snapshot holds
 /// only the last 200).
 async fn all_texts(sessions: &AgentSessionClient, id: &str, role: MessageRole) -> Vec<String> {
@@ -139,25 +122,6 @@ async fn all_texts(sessions: &AgentSessionClient, id: &str, role: MessageRole) -
     }
 }
 
-fn p50(samples: &[Duration]) -> Duration {
-    samples[samples.len() / 2]
-}
-
-fn rss_mib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))
-        .and_then(|rest| {
-            rest.trim()
-                .trim_end_matches("kB")
-                .trim()
-                .parse::<u64>()
-                .ok()
-        })
-        .map_or(0, |kib| kib / 1024)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fan_outs_cost_their_own_session_not_the_worker_or_its_neighbours() {
     let mut stack = AgentTestStack::with_config(render);
@@ -168,17 +132,7 @@ async fn fan_outs_cost_their_own_session_not_the_worker_or_its_neighbours() {
     let solo = healthy_turns(&healthy, "solo", 9).await;
     let idle_rss = rss_mib(pid);
 
-    let stop = Arc::new(AtomicBool::new(false));
-    let peak = Arc::new(AtomicU64::new(0));
-    let sampler = {
-        let (peak, stop) = (peak.clone(), stop.clone());
-        tokio::spawn(async move {
-            while !stop.load(Ordering::Relaxed) {
-                peak.fetch_max(rss_mib(pid), Ordering::Relaxed);
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        })
-    };
+    let rss = PeakRss::start(pid);
     let reader = stack.sessions("Reader");
     let fanout = stack.sessions("Fanout");
     reader
@@ -197,9 +151,7 @@ async fn fan_outs_cost_their_own_session_not_the_worker_or_its_neighbours() {
     let reads = wait_for_turns(&reader, "reads", 1).await;
     let calls = wait_for_turns(&fanout, "calls", 1).await;
     let messages = wait_for_turns(&fanout, "messages", 1).await;
-    stop.store(true, Ordering::Relaxed);
-    sampler.await.expect("sampler");
-    let peak = peak.load(Ordering::Relaxed);
+    let peak = rss.stop().await;
     println!(
         "healthy turn p50/worst: solo {:?}/{:?}, beside the fan-outs {:?}/{:?}; \
          worker RSS idle {idle_rss} MiB, peak {peak} MiB",

@@ -8,51 +8,16 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use dexa::session::AgentSessionClient;
-use dexa_tests::hostile::{first_turn, next_turn, render, Peers, WORKER_ENV};
-use dexa_tests::kit::{wait_for_turns, AgentTestStack};
+use dexa_tests::hostile::{first_turn, render, Peers, WORKER_ENV};
+use dexa_tests::kit::AgentTestStack;
+use dexa_tests::measure::{healthy_turns, p50, rss_mib, PeakRss};
 
 /// The most resident memory the flooded worker may reach. The worker idles
 /// at about 60 MiB; before events were counted by what they store, an 8 s
 /// flood of empty deltas took `dexa serve` to 1.5 GiB.
 const WORKER_RSS_BOUND_MIB: u64 = 256;
-
-/// p50 and worst of `turns` healthy turns in a new session `id`.
-async fn healthy_turns(sessions: &AgentSessionClient, id: &str, turns: u64) -> Vec<Duration> {
-    sessions.start_session(id, "").await.expect("start healthy");
-    wait_for_turns(sessions, id, 0).await;
-    let mut samples = Vec::new();
-    for turn in 1..=turns {
-        let started = Instant::now();
-        let end = next_turn(sessions, id, turn, "hello").await;
-        samples.push(started.elapsed());
-        assert_eq!(end.text, "fine");
-    }
-    samples.sort();
-    samples
-}
-
-fn p50(samples: &[Duration]) -> Duration {
-    samples[samples.len() / 2]
-}
-
-/// The resident set of process `pid`, in MiB (0 once it is gone).
-fn rss_mib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))
-        .and_then(|rest| {
-            rest.trim()
-                .trim_end_matches("kB")
-                .trim()
-                .parse::<u64>()
-                .ok()
-        })
-        .map_or(0, |kib| kib / 1024)
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn zero_byte_event_floods_cost_their_budget_not_the_worker() {
@@ -87,25 +52,15 @@ async fn zero_byte_event_floods_cost_their_budget_not_the_worker() {
             sessions
         }));
     }
-    let peak = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let sampler = {
-        let (peak, stop) = (peak.clone(), stop.clone());
-        tokio::spawn(async move {
-            while !stop.load(Ordering::Relaxed) {
-                peak.fetch_max(rss_mib(pid), Ordering::Relaxed);
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        })
-    };
+    let rss = PeakRss::start(pid);
     tokio::time::sleep(Duration::from_millis(500)).await;
     let flooded = healthy_turns(&healthy, "flooded", 9).await;
     stop.store(true, Ordering::Relaxed);
-    sampler.await.expect("sampler");
+    let peak = rss.stop().await;
     let mut flood_sessions = Vec::new();
     for flood in floods {
         flood_sessions.extend(flood.await.expect("flood lane"));
     }
-    let peak = peak.load(Ordering::Relaxed);
 
     // What the floods stored: each session's whole event stream.
     let mut most_rows = 0;

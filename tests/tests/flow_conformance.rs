@@ -85,6 +85,21 @@ impl Drop for Stack {
     }
 }
 
+/// One task claimed from `stack`'s store, if any was due.
+async fn claim_one(
+    stack: &Stack,
+    worker_id: &str,
+    flow_types: &[String],
+    lease_ms: i64,
+) -> Option<dexa::flow::ClaimedTask> {
+    stack
+        .store
+        .claim(worker_id, flow_types, 1, lease_ms)
+        .await
+        .expect("claim")
+        .pop()
+}
+
 fn events(history: &[StepHistoryEntry], step: &str) -> Vec<(String, u32)> {
     history
         .iter()
@@ -495,12 +510,8 @@ async fn a_stale_workers_commit_is_refused(factory: &dyn StoreFactory) {
         .await
         .expect("start");
     let types = vec!["Noop".to_string()];
-    let a = stack
-        .store
-        .claim("worker-a", &types, 1, 100)
+    let a = claim_one(&stack, "worker-a", &types, 100)
         .await
-        .expect("claim")
-        .pop()
         .expect("a task");
     assert_eq!(a.attempt, 1);
     tokio::time::sleep(Duration::from_millis(150)).await;
@@ -519,12 +530,8 @@ async fn a_stale_workers_commit_is_refused(factory: &dyn StoreFactory) {
         true,
     );
     stack.store.fail_attempt(reap).await.expect("reap");
-    let b = stack
-        .store
-        .claim("worker-b", &types, 1, 10_000)
+    let b = claim_one(&stack, "worker-b", &types, 10_000)
         .await
-        .expect("claim")
-        .pop()
         .expect("b task");
     assert_eq!(
         (b.task_id, b.attempt),
@@ -607,12 +614,8 @@ async fn a_lapsed_lease_cannot_record_output(factory: &dyn StoreFactory) {
         .await
         .expect("start");
     let types = vec!["Once".to_string()];
-    let a = stack
-        .store
-        .claim("worker-a", &types, 1, 50)
+    let a = claim_one(&stack, "worker-a", &types, 50)
         .await
-        .expect("claim")
-        .pop()
         .expect("a task");
     tokio::time::sleep(Duration::from_millis(80)).await;
     let expired = stack.store.expired_leases(&types, 10).await.expect("look");
@@ -626,12 +629,8 @@ async fn a_lapsed_lease_cannot_record_output(factory: &dyn StoreFactory) {
     let now = stack.store.now().await.expect("now");
     let reap = AttemptFailure::of(&a, dexa::flow::retry::redelivery(&a, now), true);
     stack.store.fail_attempt(reap).await.expect("redelivered");
-    let b = stack
-        .store
-        .claim("worker-b", &types, 1, 10_000)
+    let b = claim_one(&stack, "worker-b", &types, 10_000)
         .await
-        .expect("claim")
-        .pop()
         .expect("b task");
     assert_eq!((b.task_id, b.attempt), (a.task_id, 1));
     stack
@@ -653,12 +652,8 @@ async fn a_redelivery_is_refused_once_output_is_recorded(factory: &dyn StoreFact
         .await
         .expect("start");
     let types = vec!["Once".to_string()];
-    let a = stack
-        .store
-        .claim("worker-a", &types, 1, 50)
+    let a = claim_one(&stack, "worker-a", &types, 50)
         .await
-        .expect("claim")
-        .pop()
         .expect("a task");
     tokio::time::sleep(Duration::from_millis(80)).await;
     let expired = stack.store.expired_leases(&types, 10).await.expect("look");
@@ -667,7 +662,9 @@ async fn a_redelivery_is_refused_once_output_is_recorded(factory: &dyn StoreFact
     let stale_decision = dexa::flow::retry::redelivery(&expired[0].task, now);
     let lost = stack
         .store
-        .renew_leases("worker-a", &[(a.task_id, a.lease_token)], 50)
+        // Long enough that a busy machine cannot let it lapse before the
+        // record below.
+        .renew_leases("worker-a", &[(a.task_id, a.lease_token)], 1_000)
         .await
         .expect("renew");
     assert!(lost.is_empty(), "an unreaped lease can be renewed");
@@ -676,7 +673,7 @@ async fn a_redelivery_is_refused_once_output_is_recorded(factory: &dyn StoreFact
         .record_output(a.task_id, a.lease_token)
         .await
         .expect("started within the renewed lease");
-    tokio::time::sleep(Duration::from_millis(80)).await;
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
     let refused = stack
         .store
         .fail_attempt(AttemptFailure::of(&a, stale_decision, true))
@@ -799,12 +796,8 @@ async fn a_committed_entry_over_the_streams_capacity_does_not_refuse_the_commit(
         .set_stream_capacity("small-stream", "events", 2_000)
         .await
         .expect("capacity");
-    let task = stack
-        .store
-        .claim("w", &["Noop".to_string()], 1, 10_000)
+    let task = claim_one(&stack, "w", &["Noop".to_string()], 10_000)
         .await
-        .expect("claim")
-        .pop()
         .expect("task");
     let now = stack.store.now().await.expect("now");
     let append = |payload: Json| dexa::flow::StateWrite::Append {
@@ -864,12 +857,8 @@ async fn claims_favour_flows_running_fewer_steps(factory: &dyn StoreFactory) {
         .start_flow("Noop", "busy", json!({}))
         .await
         .expect("start");
-    let first = stack
-        .store
-        .claim("w", &types, 1, 10_000)
+    let first = claim_one(&stack, "w", &types, 10_000)
         .await
-        .expect("claim")
-        .pop()
         .expect("busy's first");
     let now = stack.store.now().await.expect("now");
     let step = |n: usize| NewTask {
@@ -907,12 +896,8 @@ async fn claims_favour_flows_running_fewer_steps(factory: &dyn StoreFactory) {
         })
         .await
         .expect("fan out");
-    let running = stack
-        .store
-        .claim("w", &types, 1, 10_000)
+    let running = claim_one(&stack, "w", &types, 10_000)
         .await
-        .expect("claim")
-        .pop()
         .expect("one of busy's five");
     assert_eq!(running.flow_id, "busy");
     // quiet's Step falls due after busy's four waiting ones, and goes first.
@@ -921,22 +906,14 @@ async fn claims_favour_flows_running_fewer_steps(factory: &dyn StoreFactory) {
         .start_flow("Noop", "quiet", json!({}))
         .await
         .expect("start");
-    let next = stack
-        .store
-        .claim("w", &types, 1, 10_000)
+    let next = claim_one(&stack, "w", &types, 10_000)
         .await
-        .expect("claim")
-        .pop()
         .expect("a task");
     assert_eq!(next.flow_id, "quiet", "the flow running nothing goes first");
     // A commit in busy, which still runs another Step, claims none of its
     // four waiting ones with it.
-    let second = stack
-        .store
-        .claim("w", &types, 1, 10_000)
+    let second = claim_one(&stack, "w", &types, 10_000)
         .await
-        .expect("claim")
-        .pop()
         .expect("busy's next");
     assert_eq!(second.flow_id, "busy");
     let with_commit = stack
@@ -1123,12 +1100,8 @@ async fn leases_fence_the_retry_policy(factory: &dyn StoreFactory) {
         .start_flow("Retry", "policy", json!({"next": "Slow"}))
         .await
         .expect("start");
-    let task = stack
-        .store
-        .claim("w", &["Retry".to_string()], 1, 1000)
+    let task = claim_one(&stack, "w", &["Retry".to_string()], 1000)
         .await
-        .expect("claim")
-        .pop()
         .expect("task");
     assert_eq!(task.step_type, "Start");
     assert_eq!(task.policy, RetryPolicy::default());

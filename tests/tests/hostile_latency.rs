@@ -5,25 +5,15 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use dexa::session::AgentSessionClient;
-use dexa_tests::hostile::{first_turn, next_turn, stack, Peers};
-use dexa_tests::kit::wait_for_turns;
+use dexa_tests::hostile::{first_turn, stack, Peers};
+use dexa_tests::measure::{healthy_turns, p50};
 
 /// Median latency of `turns` healthy turns in session `id`.
 async fn healthy_turn_latency(sessions: &AgentSessionClient, id: &str, turns: u64) -> Duration {
-    sessions.start_session(id, "").await.expect("start healthy");
-    wait_for_turns(sessions, id, 0).await;
-    let mut samples = Vec::new();
-    for turn in 1..=turns {
-        let started = Instant::now();
-        let end = next_turn(sessions, id, turn, "hello").await;
-        samples.push(started.elapsed());
-        assert_eq!(end.text, "fine");
-    }
-    samples.sort();
-    samples[samples.len() / 2]
+    p50(&healthy_turns(sessions, id, turns).await)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

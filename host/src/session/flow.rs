@@ -5,12 +5,11 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::events::fits;
 use super::limits::TurnLimits;
 use super::policy::{ToolPolicies, ToolPolicyOverride};
 use super::records::{ToolEffect, ToolPolicy, PENDING_INTERRUPTS};
 use super::steps::{step, SessionSteps};
-use crate::flow::{FlowType, RetryPolicy, StateWrite, StepContext, StepDef, StepError, StepResult};
+use crate::flow::{FlowType, RetryPolicy, StepContext, StepDef, StepError, StepResult};
 use crate::plugin::wit::ToolSpec;
 use crate::plugin::{ModelProvider, RunnerComponent, ToolComponent};
 
@@ -279,19 +278,8 @@ impl AgentSessionFlow {
         Fut: std::future::Future<Output = Result<StepResult, StepError>> + Send + 'static,
     {
         let steps = self.steps.clone();
-        let capacity = steps.options.events_capacity;
-        StepDef::new(name, move |ctx: StepContext| {
-            let done = run(steps.clone(), ctx);
-            async move {
-                // An event that cannot fit the stream must not sink the commit.
-                done.await.map(|mut result| {
-                    result.writes.retain(|write| match write {
-                        StateWrite::Append { payload, .. } => fits(payload, capacity),
-                        _ => true,
-                    });
-                    result
-                })
-            }
-        })
+        // An event too large for the stream is dropped by the store, judged
+        // by the stream's own capacity, and never sinks the commit.
+        StepDef::new(name, move |ctx: StepContext| run(steps.clone(), ctx))
     }
 }

@@ -11,7 +11,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::json;
 
-use super::events::{fits, session_event, BackgroundHeartbeat, StepEvents, StepHeartbeats};
+use super::events::{session_event, BackgroundHeartbeat, StepEvents, StepHeartbeats};
 use super::flow::{AgentComponents, AgentSessionOptions};
 use super::limits::{
     cut, output_share, ERROR_TEXT_BYTES, NOTE_ARGUMENTS_BYTES, NOTE_BYTES, NOTE_OUTCOME_BYTES,

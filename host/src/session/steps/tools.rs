@@ -90,10 +90,8 @@ impl SessionSteps {
             event_type::TOOL_CALL_STARTED,
             json!({"tool_call_id": id, "tool_name": record.tool_name}),
         );
-        let started: Vec<Json> = std::iter::once(started)
-            .filter(|event| fits(event, self.options.events_capacity))
-            .collect();
-        ctx.heartbeat_with_events(AGENT_EVENTS, started)
+        // (Dropped by the store if it cannot fit the stream.)
+        ctx.heartbeat_with_events(AGENT_EVENTS, vec![started])
             .await
             .map_err(|err| retryable(format!("{NOT_STARTED}{err}")))?;
         let execution = DeferredToolExecution {

@@ -742,7 +742,7 @@ impl FlowStore for SqliteStore {
         self.read_blocking(move |conn, now| {
             let tx = conn.unchecked_transaction().map_err(backend)?;
             let result = {
-                let mut state = state::SqliteReadTx::new(&tx, flow_id, now);
+                let mut state = SqliteStateTx::read_only(&tx, flow_id, now);
                 body(&mut state)
             };
             // Nothing was written: ending the transaction only releases the

@@ -713,16 +713,43 @@ pub(super) fn expired_leases(
         .collect()
 }
 
-/// The state an RPC works on: one flow, inside one write transaction.
+/// The state an RPC works on: one flow, inside one write transaction, or,
+/// for a read-only RPC, one read transaction on a read connection, where
+/// every write is refused instead of going through a connection that is not
+/// the writer.
 pub(super) struct SqliteStateTx<'c> {
     conn: &'c Connection,
     flow_id: String,
     now: StoreMillis,
+    read_only: bool,
 }
 
 impl<'c> SqliteStateTx<'c> {
     pub(super) fn new(conn: &'c Connection, flow_id: String, now: StoreMillis) -> Self {
-        Self { conn, flow_id, now }
+        Self {
+            conn,
+            flow_id,
+            now,
+            read_only: false,
+        }
+    }
+
+    pub(super) fn read_only(conn: &'c Connection, flow_id: String, now: StoreMillis) -> Self {
+        Self {
+            read_only: true,
+            ..Self::new(conn, flow_id, now)
+        }
+    }
+
+    /// Refuses `what` in a read-only transaction.
+    fn writable(&self, what: &str) -> Result<(), StoreError> {
+        if self.read_only {
+            return Err(StoreError::Backend(format!(
+                "{what} on flow {} in a read-only transaction",
+                self.flow_id
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -740,14 +767,22 @@ impl StateTx for SqliteStateTx<'_> {
     }
 
     fn set(&mut self, name: &str, key: &str, value: Json) -> Result<i64, StoreError> {
+        self.writable(&format!("set {name}"))?;
         set(self.conn, &self.flow_id, name, key, &value)
     }
 
     fn delete(&mut self, name: &str, key: &str) -> Result<(), StoreError> {
+        self.writable(&format!("delete {name}"))?;
         delete(self.conn, &self.flow_id, name, key)
     }
 
     fn lock(&mut self, name: &str) -> Result<(), RpcError> {
+        if self.read_only {
+            return Err(RpcError::Rejected(format!(
+                "lock {name} on flow {} in a read-only transaction",
+                self.flow_id
+            )));
+        }
         let held = exists(
             self.conn,
             "SELECT 1 FROM state_locks l JOIN tasks t ON t.task_id = l.task_id
@@ -764,75 +799,8 @@ impl StateTx for SqliteStateTx<'_> {
     }
 
     fn publish(&mut self, channel: &str, key: &str, payload: Json) -> Result<(), StoreError> {
+        self.writable(&format!("publish to {channel}"))?;
         publish(self.conn, self.now, &self.flow_id, channel, key, &payload)
-    }
-
-    fn channel_len(&mut self, channel: &str, key: &str) -> Result<u64, StoreError> {
-        channel_len(self.conn, &self.flow_id, channel, key)
-    }
-
-    fn read_map(
-        &mut self,
-        name: &str,
-        query: &MapQuery,
-    ) -> Result<Vec<(String, Versioned)>, StoreError> {
-        read_map(self.conn, &self.flow_id, name, query)
-    }
-}
-
-/// The state a read-only RPC works on: one flow, inside one read transaction
-/// on a read connection. Reads are those of [`SqliteStateTx`]; every write is
-/// refused, so a body that tries one fails instead of writing through a
-/// connection that is not the writer.
-pub(super) struct SqliteReadTx<'c> {
-    conn: &'c Connection,
-    flow_id: String,
-    now: StoreMillis,
-}
-
-impl<'c> SqliteReadTx<'c> {
-    pub(super) fn new(conn: &'c Connection, flow_id: String, now: StoreMillis) -> Self {
-        Self { conn, flow_id, now }
-    }
-
-    fn refused(&self, what: &str) -> StoreError {
-        StoreError::Backend(format!(
-            "{what} on flow {} in a read-only transaction",
-            self.flow_id
-        ))
-    }
-}
-
-impl StateTx for SqliteReadTx<'_> {
-    fn now(&self) -> StoreMillis {
-        self.now
-    }
-
-    fn flow(&mut self) -> Result<Option<FlowInfo>, StoreError> {
-        flow_info(self.conn, &self.flow_id)
-    }
-
-    fn get(&mut self, name: &str, key: &str) -> Result<Option<Versioned>, StoreError> {
-        get(self.conn, &self.flow_id, name, key)
-    }
-
-    fn set(&mut self, name: &str, _key: &str, _value: Json) -> Result<i64, StoreError> {
-        Err(self.refused(&format!("set {name}")))
-    }
-
-    fn delete(&mut self, name: &str, _key: &str) -> Result<(), StoreError> {
-        Err(self.refused(&format!("delete {name}")))
-    }
-
-    fn lock(&mut self, name: &str) -> Result<(), RpcError> {
-        Err(RpcError::Rejected(format!(
-            "lock {name} on flow {} in a read-only transaction",
-            self.flow_id
-        )))
-    }
-
-    fn publish(&mut self, channel: &str, _key: &str, _payload: Json) -> Result<(), StoreError> {
-        Err(self.refused(&format!("publish to {channel}")))
     }
 
     fn channel_len(&mut self, channel: &str, key: &str) -> Result<u64, StoreError> {

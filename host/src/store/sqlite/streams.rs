@@ -70,6 +70,15 @@ fn trim_stream(
     Ok(())
 }
 
+/// What an append does with an entry larger than the stream's capacity.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Oversized {
+    /// Refuses the whole write (an explicit append).
+    Refuse,
+    /// Drops the entry with a warning (a Step's commit, its "started" marker).
+    Drop,
+}
+
 /// Appends what fits the stream, judged by the stream's own capacity (which
 /// may be smaller than what the writer was configured with when the stream
 /// was created): an entry that can never fit is dropped with a warning,
@@ -82,27 +91,10 @@ pub(super) fn append_fitting(
     stream: &str,
     payloads: &[Json],
 ) -> Result<Vec<i64>, StoreError> {
-    let (_, _, capacity) = stream_meta(conn, flow_id, stream)?;
-    let fitting: Vec<Json> = payloads
-        .iter()
-        .filter(|payload| {
-            let bytes = payload.to_string().len() as u64;
-            if bytes > capacity {
-                tracing::warn!(
-                    flow_id,
-                    stream,
-                    bytes,
-                    capacity,
-                    "dropping a stream entry larger than the stream's capacity"
-                );
-            }
-            bytes <= capacity
-        })
-        .cloned()
-        .collect();
-    append_stream(conn, now, flow_id, stream, &fitting)
+    append(conn, now, flow_id, stream, payloads, Oversized::Drop)
 }
 
+/// Appends every entry, or refuses the write when one can never fit.
 pub(super) fn append_stream(
     conn: &Connection,
     now: StoreMillis,
@@ -110,12 +102,33 @@ pub(super) fn append_stream(
     stream: &str,
     payloads: &[Json],
 ) -> Result<Vec<i64>, StoreError> {
+    append(conn, now, flow_id, stream, payloads, Oversized::Refuse)
+}
+
+fn append(
+    conn: &Connection,
+    now: StoreMillis,
+    flow_id: &str,
+    stream: &str,
+    payloads: &[Json],
+    oversized: Oversized,
+) -> Result<Vec<i64>, StoreError> {
     let (mut next_seq, mut total, capacity) = stream_meta(conn, flow_id, stream)?;
     let mut seqs = Vec::with_capacity(payloads.len());
     for payload in payloads {
         let text = payload.to_string();
         let bytes = text.len() as u64;
         if bytes > capacity {
+            if oversized == Oversized::Drop {
+                tracing::warn!(
+                    flow_id,
+                    stream,
+                    bytes,
+                    capacity,
+                    "dropping a stream entry larger than the stream's capacity"
+                );
+                continue;
+            }
             return Err(StoreError::Conflict(format!(
                 "a {bytes}-byte entry does not fit stream {stream} (capacity {capacity} bytes)"
             )));
