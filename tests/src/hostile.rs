@@ -3,7 +3,10 @@
 //! connections, and helpers that read what the host recorded.
 //!
 //! - `Attacks` runs hostile-runner and hostile-tool (granted `/data`, one
-//!   environment variable, one HTTP and one TCP peer; 1 s deadlines);
+//!   environment variable, one HTTP and one TCP peer) with deadlines far
+//!   above what any bounded attack needs (60 s), so that each proves its own
+//!   limit even on a loaded machine; `Spinner` is the same with 1 s
+//!   deadlines, for the attacks only a deadline stops;
 //! - `Healthy` runs scripted-runner and echo-tool on the same workers;
 //!   `HealthySlow` is the same turn with 40 ms of model latency per step
 //!   (its calls wait past the inline budget, so they run on the guest pool).
@@ -21,6 +24,7 @@ use serde_json::json;
 
 use crate::kit::{wait_for_turns, AgentTestStack};
 use crate::session::last_text;
+use crate::wat::wat_component;
 use crate::{guest_wasm, repo_root};
 
 pub const SECRET_VAR: &str = "DEXA_HOSTILE_SECRET";
@@ -167,6 +171,13 @@ api_key_env = "{MODEL_KEY_VAR}"
 runner = "hostile-runner"
 tools = ["hostile-tool"]
 model = "guarded"
+tool_attempt_timeout = "60s"
+model_step_timeout = "60s"
+
+[agents.Spinner]
+runner = "hostile-runner"
+tools = ["hostile-tool"]
+model = "guarded"
 tool_attempt_timeout = "1s"
 model_step_timeout = "1s"
 
@@ -186,6 +197,94 @@ tools = ["echo-tool"]
         http_ok = peers.http_granted.port,
         tcp_ok = peers.tcp_granted.port,
     )
+}
+
+/// The stack of the containment attacks (issue 15), on one worker:
+/// - `Wat` runs hostile-runner with the WebAssembly-text tools
+///   `multi-memory` and `table-bomb` (`guests/hostile/wat/`);
+/// - `Events` runs hostile-runner and hostile-tool with a 64 MiB event
+///   budget, so that only the per-event checks stand between a huge payload
+///   and the parser;
+/// - `Writer` runs hostile-tool granted `shared/` read-write, and `Reader`
+///   hostile-tool (as `reader-tool`) granted `shared/sub` read-only: grants
+///   that overlap, marked `shared = true` when `shared` is set. `outside/`
+///   beside them holds a secret neither is granted.
+pub fn render_containment(dir: &Path, shared: bool) -> String {
+    std::fs::create_dir_all(dir.join("shared/sub")).expect("shared dir");
+    std::fs::write(dir.join("shared/sub/note.txt"), "shared note").expect("note");
+    std::fs::create_dir_all(dir.join("outside")).expect("outside dir");
+    std::fs::write(dir.join("outside/secret.txt"), SECRET_FILE_TEXT).expect("secret");
+    let shared = if shared { ", shared = true" } else { "" };
+    format!(
+        r#"store = "sqlite:store.sqlite"
+cache_dir = "{cache}"
+
+[worker]
+slots = 8
+poll_interval = "50ms"
+
+[components.hostile-runner]
+path = "{hostile_runner}"
+
+[components.multi-memory]
+path = "{multi_memory}"
+
+[components.table-bomb]
+path = "{table_bomb}"
+
+[components.hostile-tool]
+path = "{hostile_tool}"
+limits = {{ events_per_call = "64MiB" }}
+
+[components.writer-tool]
+path = "{hostile_tool}"
+dirs = [{{ host = "shared", guest = "/shared", access = "read_write"{shared} }}]
+
+[components.reader-tool]
+path = "{hostile_tool}"
+dirs = [{{ host = "shared/sub", guest = "/sub", access = "read_only"{shared} }}]
+
+[agents.Wat]
+runner = "hostile-runner"
+tools = ["multi-memory", "table-bomb"]
+tool_attempt_timeout = "60s"
+
+[agents.Events]
+runner = "hostile-runner"
+tools = ["hostile-tool"]
+tool_attempt_timeout = "60s"
+
+[agents.Writer]
+runner = "hostile-runner"
+tools = ["writer-tool"]
+
+[agents.Reader]
+runner = "hostile-runner"
+tools = ["reader-tool"]
+"#,
+        cache = repo_root().join("target/test-component-cache").display(),
+        hostile_runner = guest_wasm("hostile-runner").display(),
+        hostile_tool = guest_wasm("hostile-tool").display(),
+        multi_memory = wat_component("multi-memory").display(),
+        table_bomb = wat_component("table-bomb").display(),
+    )
+}
+
+/// Waits for worker `index` to exit (it must, within a minute) and returns
+/// its log.
+pub async fn refused_start_log(stack: &mut AgentTestStack, index: usize) -> String {
+    let status = tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            if let Some(status) = stack.worker(index).exit_status() {
+                return status;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("the worker should refuse to start");
+    assert!(!status.success());
+    stack.worker_log(index)
 }
 
 pub const WORKER_ENV: [(&str, &str); 3] = [

@@ -13,6 +13,7 @@ pub mod languages;
 pub mod measure;
 pub mod session;
 pub mod toy;
+pub mod wat;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};

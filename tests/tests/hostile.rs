@@ -9,7 +9,9 @@ use std::time::Duration;
 use dexa::session::step;
 use dexa_tests::hostile::*;
 use dexa_tests::kit::{wait_for_turns, AgentTestStack};
+use dexa_tests::measure::peak_rss_mib;
 use dexa_tests::session::last_text;
+use dexa_tests::wat::wat_component;
 use dexa_tests::{guest_wasm, repo_root};
 use serde_json::json;
 
@@ -18,6 +20,7 @@ async fn each_tool_attack_fails_only_its_own_call_with_a_readable_recorded_error
     let peers = Peers::start();
     let stack = stack(&peers, "");
     let sessions = stack.sessions("Attacks");
+    let spinner = stack.sessions("Spinner");
     let http_refused = format!("http://127.0.0.1:{}/steal", peers.http_refused.port);
     let http_granted = format!("http://127.0.0.1:{}/ok", peers.http_granted.port);
     let tcp_refused = format!("127.0.0.1:{}", peers.tcp_refused.port);
@@ -40,9 +43,11 @@ async fn each_tool_attack_fails_only_its_own_call_with_a_readable_recorded_error
         ("tcp_connect", json!({"addr": tcp_granted})),
         ("handle_hoard", json!({})),
     ];
-    // All at once, on one worker: each must fail (or pass) on its own.
+    // All at once, on one worker: each must fail (or pass) on its own. Only
+    // the spin is stopped by its (1 s) deadline; every other attack has 60 s
+    // and must meet its own limit long before.
     let runs = attacks.iter().enumerate().map(|(index, (tool, args))| {
-        let sessions = sessions.clone();
+        let sessions = if *tool == "spin" { &spinner } else { &sessions }.clone();
         let message = format!("tool {tool} {args}");
         async move { first_turn(&sessions, &format!("t{index}"), &message).await }
     });
@@ -134,8 +139,9 @@ async fn each_runner_attack_fails_its_turn_by_the_spec_route_and_the_session_goe
     let peers = Peers::start();
     let stack = stack(&peers, "");
     let sessions = stack.sessions("Attacks");
+    let spin = [("spin", "`run-model-step` ran past its deadline of 1s")];
+    assert_runner_attacks_fail_their_turns(&stack.sessions("Spinner"), &spin).await;
     let failing = [
-        ("spin", "`run-model-step` ran past its deadline of 1s"),
         ("memory-bomb", "linear memory would grow to"),
         ("recurse", "call stack exhausted"),
         ("trap-model", "hostile run-model-step traps on purpose"),
@@ -207,7 +213,7 @@ async fn a_fuel_limit_stops_a_spinning_tool_before_its_deadline() {
     let peers = Peers::start();
     // 1 s of deadline would stop the spin too; fuel must stop it first.
     let stack = stack(&peers, ", fuel = 20_000_000");
-    let sessions = stack.sessions("Attacks");
+    let sessions = stack.sessions("Spinner");
     let end = first_turn(&sessions, "fuel", "tool spin {}").await;
     assert_tool_failed(&end, "spin", "ran out of fuel (20000000 units)");
     // Ordinary calls fit in the same budget.
@@ -310,4 +316,250 @@ tools = ["gate-tool"]
     second.release();
     let snapshot = wait_for_turns(&sessions, "s1", 1).await;
     assert_eq!(last_text(&snapshot).as_deref(), Some("both done"));
+}
+
+/// What a worker may hold at its peak while the containment attacks run:
+/// its own baseline (the engine, five loaded components, the store) is about
+/// 100 MiB; one 128 MiB call limit and the host's parse of one capped event
+/// come on top. Before issue 15 the same attacks took it past 900 MiB.
+const CONTAINED_PEAK_MIB: u64 = 400;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_and_table_limits_bound_the_sum_over_every_instance_of_a_call() {
+    let mut stack = AgentTestStack::with_config(|dir| render_containment(dir, true));
+    let worker = stack.start_worker();
+    let sessions = stack.sessions("Wat");
+    // Eight linear memories of 120 MiB each against a 128 MiB limit.
+    let end = first_turn(&sessions, "memories", "tool memories {}").await;
+    assert_tool_failed(
+        &end,
+        "memories",
+        "linear memory would grow to 251789312 bytes across the instance's memories, \
+         over the limit of 134217728 bytes",
+    );
+    // 24 tables of 20,000 elements against a 100,000-element limit.
+    let end = first_turn(&sessions, "tables", "tool tables {}").await;
+    assert_tool_failed(
+        &end,
+        "tables",
+        "tables would grow to 120000 elements across the instance's tables, over the limit of 100000",
+    );
+    let peak = peak_rss_mib(stack.worker(worker).pid());
+    println!("worker peak RSS after the memory and table attacks: {peak} MiB");
+    assert!(
+        peak > 0 && peak < CONTAINED_PEAK_MIB,
+        "the worker peaked at {peak} MiB"
+    );
+    // The worker goes on serving.
+    let end = first_turn(
+        &stack.sessions("Events"),
+        "after",
+        "tool event_deep {\"depth\":2}",
+    )
+    .await;
+    assert!(
+        tool_report(&end, "event_deep").contains("Succeeded"),
+        "{end:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_component_with_more_core_instances_than_the_limit_is_refused_at_load() {
+    let mut stack = AgentTestStack::with_config(|dir| {
+        render_containment(dir, true).replace(
+            &format!("path = \"{}\"", wat_component("table-bomb").display()),
+            &format!("path = \"{}\"", wat_component("instance-bomb").display()),
+        )
+    });
+    let worker = stack.start_worker();
+    let log = refused_start_log(&mut stack, worker).await;
+    assert!(
+        log.contains("table-bomb")
+            && log.contains(
+                "contains 101 core module instances, which exceeds the configured maximum of 64"
+            ),
+        "{log}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn event_payloads_are_checked_before_they_are_parsed_and_stay_readable_once_stored() {
+    let mut stack = AgentTestStack::with_config(|dir| render_containment(dir, true));
+    let worker = stack.start_worker();
+    let sessions = stack.sessions("Events");
+    // Not an object, as the interface says a payload is: the call fails,
+    // and nothing is parsed (the event budget of 64 MiB would allow it).
+    let end = first_turn(&sessions, "array", "tool event_array {\"megabytes\":40}").await;
+    assert_tool_failed(
+        &end,
+        "event_array",
+        "write-event \\\"big\\\": the payload is not a JSON object",
+    );
+    // An object over the size one event may have is dropped unparsed.
+    let end = first_turn(&sessions, "object", "tool event_object {\"megabytes\":40}").await;
+    assert!(
+        tool_report(&end, "event_object").contains("Succeeded output=Some(\"written\")"),
+        "{end:?}"
+    );
+    let (events, _) = sessions
+        .read_events("object", 0, 1000)
+        .await
+        .expect("events");
+    assert!(
+        events.iter().all(|(_, e)| e.event_type != "big"),
+        "the big event was dropped"
+    );
+    // As deep as accepted: stored, and read back by the stream's readers.
+    let end = first_turn(&sessions, "deep64", "tool event_deep {\"depth\":64}").await;
+    assert!(
+        tool_report(&end, "event_deep").contains("wrote 64 levels"),
+        "{end:?}"
+    );
+    let (events, _) = sessions
+        .read_events("deep64", 0, 1000)
+        .await
+        .expect("a readable stream");
+    let deep = events
+        .iter()
+        .find(|(_, e)| e.event_type == "deep")
+        .expect("the deep event");
+    let mut level = &deep.1.data;
+    let mut depth = 1;
+    while let Some(inner) = level.get("a") {
+        level = inner;
+        depth += 1;
+    }
+    assert_eq!(depth, 64);
+    // One level deeper, or 127 levels (which once broke the session's live
+    // stream for good): the call fails, and nothing is stored.
+    for depth in [65, 127] {
+        let id = format!("deep{depth}");
+        let end = first_turn(
+            &sessions,
+            &id,
+            &format!("tool event_deep {{\"depth\":{depth}}}"),
+        )
+        .await;
+        assert_tool_failed(
+            &end,
+            "event_deep",
+            "the payload nests deeper than 64 levels",
+        );
+        let (events, _) = sessions
+            .read_events(&id, 0, 1000)
+            .await
+            .expect("a readable stream");
+        assert!(events.iter().all(|(_, e)| e.event_type != "deep"));
+    }
+    let peak = peak_rss_mib(stack.worker(worker).pid());
+    println!("worker peak RSS after the event attacks: {peak} MiB");
+    assert!(
+        peak > 0 && peak < CONTAINED_PEAK_MIB,
+        "the worker peaked at {peak} MiB"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlapping_grants_are_refused_unless_both_are_marked_shared() {
+    let mut stack = AgentTestStack::with_config(|dir| render_containment(dir, false));
+    let worker = stack.start_worker();
+    let log = refused_start_log(&mut stack, worker).await;
+    assert!(
+        log.contains("\"reader-tool\" and \"writer-tool\" are granted overlapping directories")
+            && log.contains("shared = true"),
+        "{log}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_component_cannot_redirect_a_grant_of_another_component() {
+    let mut stack = AgentTestStack::with_config(|dir| render_containment(dir, true));
+    stack.start_worker();
+    let (writer, reader) = (stack.sessions("Writer"), stack.sessions("Reader"));
+    let end = first_turn(
+        &reader,
+        "before",
+        "tool read_file {\"path\":\"/sub/note.txt\"}",
+    )
+    .await;
+    assert!(
+        tool_report(&end, "read_file").contains("shared note"),
+        "{end:?}"
+    );
+    // The writer may change its own directory: it turns `sub`, the reader's
+    // grant, into a symlink to the directory beside it that holds a secret.
+    let end = first_turn(
+        &writer,
+        "redirect",
+        "tool redirect_grant {\"path\":\"/shared/sub\",\"target\":\"../outside\"}",
+    )
+    .await;
+    assert!(
+        tool_report(&end, "redirect_grant").contains("Succeeded"),
+        "{end:?}"
+    );
+    // The reader's grant is not followed there: its call fails.
+    let end = first_turn(
+        &reader,
+        "after",
+        "tool read_file {\"path\":\"/sub/secret.txt\"}",
+    )
+    .await;
+    assert_tool_failed(&end, "read_file", "is no longer a directory");
+    assert!(
+        !end.text.contains(SECRET_FILE_TEXT),
+        "the secret leaked: {}",
+        end.text
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_may_not_hold_dexas_own_state() {
+    let mut stack = AgentTestStack::with_config(|dir| {
+        render_containment(dir, true).replace(
+            "host = \"shared/sub\", guest = \"/sub\"",
+            "host = \".\", guest = \"/sub\"",
+        )
+    });
+    let worker = stack.start_worker();
+    let log = refused_start_log(&mut stack, worker).await;
+    assert!(
+        log.contains("component \"reader-tool\" may not be granted")
+            && log.contains("holds dexa's own state"),
+        "{log}"
+    );
+}
+
+#[test]
+fn component_call_grants_read_only_by_default_and_never_dexas_state() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::create_dir_all(dir.path().join(".dexa")).expect(".dexa");
+    std::fs::write(dir.path().join(".dexa/api-token"), "token-never-seen").expect("token");
+    std::fs::create_dir_all(dir.path().join("work")).expect("work");
+    let call = |tool: &str, args: &str, grant: &str| {
+        let output = std::process::Command::new(dexa_tests::kit::dexa_binary())
+            .current_dir(dir.path())
+            .args(["component", "call"])
+            .arg(guest_wasm("files-tool"))
+            .args([tool, "--args", args, "--dir", grant, "--cache-dir"])
+            .arg(repo_root().join("target/test-component-cache"))
+            .output()
+            .expect("run dexa");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        (output.status.success(), text)
+    };
+    let write = r#"{"path":"f.txt","content":"x"}"#;
+    let (ok, text) = call("write_file", write, "work:/workspace");
+    assert!(!ok && text.contains("cannot write f.txt"), "{text}");
+    assert!(!dir.path().join("work/f.txt").exists());
+    let (ok, text) = call("write_file", write, "work:/workspace:rw");
+    assert!(ok && text.contains("wrote 1 bytes"), "{text}");
+    // `.` holds `.dexa` (the store, the API token, compiled code).
+    let (ok, text) = call("read_file", r#"{"path":".dexa/api-token"}"#, ".:/workspace");
+    assert!(!ok && text.contains("holds dexa's own state"), "{text}");
+    assert!(!text.contains("token-never-seen"), "{text}");
 }

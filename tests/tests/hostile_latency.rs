@@ -24,7 +24,7 @@ async fn a_healthy_session_on_the_same_worker_stays_within_twice_its_solo_latenc
     // pool, where the spinning attacks run too.
     let fast = stack.sessions("Healthy");
     let slow = stack.sessions("HealthySlow");
-    let attacks = stack.sessions("Attacks");
+    let (attacks, spinner) = (stack.sessions("Attacks"), stack.sessions("Spinner"));
     // Warm the worker's instance pool and the store first.
     healthy_turn_latency(&fast, "warm", 2).await;
     let fast_solo = healthy_turn_latency(&fast, "fast-solo", 7).await;
@@ -44,7 +44,14 @@ async fn a_healthy_session_on_the_same_worker_stays_within_twice_its_solo_latenc
     .into_iter()
     .enumerate()
     {
-        let (attacks, stop) = (attacks.clone(), stop.clone());
+        // The spins need the agent whose deadline stops them.
+        let attacks = if message.contains("spin") {
+            &spinner
+        } else {
+            &attacks
+        }
+        .clone();
+        let stop = stop.clone();
         attackers.push(tokio::spawn(async move {
             let mut round = 0;
             while !stop.load(Ordering::Relaxed) {

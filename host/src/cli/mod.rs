@@ -14,6 +14,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+use crate::plugin::grant_paths::check_state_paths;
 use crate::plugin::wit::{
     DeferredToolExecution, ToolCallRecord, ToolCallStatus, ToolEffect, ToolPolicy,
 };
@@ -104,7 +105,8 @@ pub struct CallArgs {
     /// The arguments, as JSON text.
     #[arg(long, default_value = "{}")]
     pub args: String,
-    /// Grant a directory: HOST:GUEST, or HOST:GUEST:ro for read-only.
+    /// Grant a directory: HOST:GUEST (read-only), or HOST:GUEST:rw to let the
+    /// tool write there. Never the `.dexa` directory or one holding it.
     #[arg(long = "dir")]
     pub dirs: Vec<String>,
     /// A config value: KEY=VALUE.
@@ -127,10 +129,14 @@ fn engine(args: &EngineArgs) -> anyhow::Result<SandboxEngine> {
 fn parse_dir(spec: &str) -> anyhow::Result<(PathBuf, String, DirAccess)> {
     let parts: Vec<&str> = spec.split(':').collect();
     match parts.as_slice() {
-        [host, guest] => Ok((host.into(), guest.to_string(), DirAccess::ReadWrite)),
-        [host, guest, "ro"] => Ok((host.into(), guest.to_string(), DirAccess::ReadOnly)),
+        // Read-only unless asked, as in dexa.toml.
+        [host, guest] | [host, guest, "ro"] => {
+            Ok((host.into(), guest.to_string(), DirAccess::ReadOnly))
+        }
         [host, guest, "rw"] => Ok((host.into(), guest.to_string(), DirAccess::ReadWrite)),
-        _ => bail!("--dir {spec:?}: expected HOST:GUEST or HOST:GUEST:ro"),
+        _ => {
+            bail!("--dir {spec:?}: expected HOST:GUEST (read-only), HOST:GUEST:ro or HOST:GUEST:rw")
+        }
     }
 }
 
@@ -198,6 +204,16 @@ async fn call(args: CallArgs) -> anyhow::Result<()> {
         let (host, guest, access) = parse_dir(spec)?;
         grants = grants.dir(host, guest, access);
     }
+    // Never the directory that holds dexa's own state (the store, the API
+    // token, compiled native code) or anything inside the cache.
+    let state = [PathBuf::from(".dexa"), args.engine.cache_dir.clone()];
+    check_state_paths(
+        &component_name(&args.path),
+        &grants.dirs,
+        &state,
+        Some(&args.engine.cache_dir),
+    )
+    .map_err(anyhow::Error::msg)?;
     let mut config = BTreeMap::new();
     for pair in &args.config {
         let (key, value) = pair

@@ -66,16 +66,20 @@ impl Deployment {
                     .any(|a| a.runner == c.name || a.tools.contains(&c.name))
             })
             .collect();
+        let all_settings = used
+            .iter()
+            .map(|component| settings(&config, component))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        super::grant_layout::check(&config, &all_settings)?;
         let mut runners: BTreeMap<String, Arc<RunnerComponent>> = BTreeMap::new();
         let mut tools: BTreeMap<String, Arc<ToolComponent>> = BTreeMap::new();
-        for (index, component) in used.iter().enumerate() {
+        for (index, (component, settings)) in used.iter().zip(all_settings).enumerate() {
             progress(LoadProgress::Loading {
                 component: component.name.clone(),
                 index: index + 1,
                 total: used.len(),
             });
             let started = Instant::now();
-            let settings = settings(&config, component)?;
             let cache = match component.role {
                 ComponentRole::Runner => {
                     let runner = engine

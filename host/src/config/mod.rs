@@ -36,6 +36,7 @@
 //! Relative paths are relative to the directory of the config file.
 
 pub mod deploy;
+mod grant_layout;
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -268,6 +269,9 @@ struct RawDir {
     /// Create the host directory when it is missing.
     #[serde(default)]
     create: bool,
+    /// May overlap other components' grants (both must say so).
+    #[serde(default)]
+    shared: bool,
 }
 
 fn read_only() -> DirAccess {
@@ -447,6 +451,7 @@ impl DexaConfig {
                     host_path: resolve(&grant.host),
                     guest_path: grant.guest.clone(),
                     access: grant.access,
+                    shared: grant.shared,
                 });
             }
             for var in &raw_component.env {

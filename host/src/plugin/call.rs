@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-use wasmtime::{ResourceLimiter, Store, Trap, UpdateDeadline};
+use wasmtime::{Store, Trap, UpdateDeadline};
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::{ResourceTable, WasiCtx, WasiCtxView, WasiView};
 
@@ -20,77 +20,7 @@ use super::factors::http::{DeniedRequests, HttpState};
 use super::factors::model::{ModelProvider, ModelState};
 use super::factors::policy::{NoPolicies, SharedPolicyResolver, ToolPolicyResolver};
 use super::factors::step::{HeartbeatSink, NoHeartbeats, StepState, StepTag};
-
-/// Per-component resource limits. Each has a default. CPU time is bounded by
-/// the deadline of the Step a call serves (see [`CallEnv::timeout`]).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ComponentLimits {
-    /// Largest linear memory, in bytes (at most the engine's pool slot).
-    pub memory_bytes: usize,
-    /// Largest table, in elements.
-    pub table_elements: usize,
-    /// Core instances, memories and tables one call may create.
-    pub instances: usize,
-    /// Wasm instructions (roughly) one call may execute; none is unmetered.
-    /// Needs an engine built with [`super::SandboxConfig::consume_fuel`].
-    pub fuel: Option<u64>,
-    /// Calls of this component that may run at once; more wait their turn
-    /// within their own deadline.
-    pub max_concurrent_calls: usize,
-    /// Bytes of strings one call may return (a tool's output or error, a
-    /// runner's messages and tool-call arguments).
-    pub output_bytes: usize,
-    /// Bytes of framework run state a runner may hand back.
-    pub run_state_bytes: usize,
-    /// What the events of one call may cost in stored bytes (see
-    /// [`EventSink::stored_cost`]); past it they are dropped and the call
-    /// goes on.
-    pub event_bytes_per_call: u64,
-    /// Bytes of the guest's stderr kept for error messages.
-    pub stderr_bytes: usize,
-    /// Host resources (streams, pollables, HTTP headers...) one call may
-    /// hold at once; each holds host memory outside `memory_bytes`.
-    pub host_handles: usize,
-}
-
-impl Default for ComponentLimits {
-    fn default() -> Self {
-        Self {
-            memory_bytes: 128 << 20,
-            table_elements: 100_000,
-            instances: 64,
-            fuel: None,
-            max_concurrent_calls: 32,
-            output_bytes: 1 << 20,
-            run_state_bytes: 1 << 20,
-            event_bytes_per_call: 1 << 20,
-            stderr_bytes: 16 << 10,
-            host_handles: 4096,
-        }
-    }
-}
-
-impl ComponentLimits {
-    /// Checks the limits against the engine they will run on.
-    pub fn validate(&self, engine: &SandboxEngine) -> Result<(), String> {
-        let config = engine.config();
-        if self.memory_bytes > config.max_memory_bytes {
-            return Err(format!(
-                "memory limit of {} bytes is above the engine's largest memory of {} bytes",
-                self.memory_bytes, config.max_memory_bytes
-            ));
-        }
-        if self.max_concurrent_calls == 0 {
-            return Err("max_concurrent_calls must be at least 1".to_string());
-        }
-        if self.fuel.is_some() && !config.consume_fuel {
-            return Err(
-                "a fuel limit needs an engine with fuel metering on (consume_fuel)".to_string(),
-            );
-        }
-        Ok(())
-    }
-}
+use super::limits::CallLimiter;
 
 /// The Step a call serves, and where its heartbeats, events, policy questions
 /// and model call go.
@@ -144,61 +74,6 @@ impl CallEnv {
     pub fn with_model(mut self, model: Arc<dyn ModelProvider>) -> Self {
         self.model = Some(model);
         self
-    }
-}
-
-/// Enforces [`ComponentLimits`] and remembers which limit stopped the guest,
-/// so the error can say so.
-struct CallLimiter {
-    limits: ComponentLimits,
-    exceeded: Option<String>,
-}
-
-impl ResourceLimiter for CallLimiter {
-    fn memory_growing(
-        &mut self,
-        _current: usize,
-        desired: usize,
-        _maximum: Option<usize>,
-    ) -> wasmtime::Result<bool> {
-        if desired > self.limits.memory_bytes {
-            let reason = format!(
-                "linear memory would grow to {desired} bytes, over the limit of {} bytes",
-                self.limits.memory_bytes
-            );
-            self.exceeded = Some(reason.clone());
-            return Err(wasmtime::format_err!(reason));
-        }
-        Ok(true)
-    }
-
-    fn table_growing(
-        &mut self,
-        _current: usize,
-        desired: usize,
-        _maximum: Option<usize>,
-    ) -> wasmtime::Result<bool> {
-        if desired > self.limits.table_elements {
-            let reason = format!(
-                "a table would grow to {desired} elements, over the limit of {}",
-                self.limits.table_elements
-            );
-            self.exceeded = Some(reason.clone());
-            return Err(wasmtime::format_err!(reason));
-        }
-        Ok(true)
-    }
-
-    fn instances(&self) -> usize {
-        self.limits.instances
-    }
-
-    fn tables(&self) -> usize {
-        self.limits.instances
-    }
-
-    fn memories(&self) -> usize {
-        self.limits.instances
     }
 }
 
@@ -318,10 +193,7 @@ impl Call {
             component: component.clone(),
             wasi,
             table,
-            limiter: CallLimiter {
-                limits: settings.limits.clone(),
-                exceeded: None,
-            },
+            limiter: CallLimiter::new(settings.limits.clone()),
             http,
             step: StepState {
                 tag: env.tag,
@@ -409,7 +281,7 @@ impl Call {
                 timeout: self.timeout,
             });
         }
-        if let Some(reason) = self.store.data().limiter.exceeded.clone() {
+        if let Some(reason) = self.store.data().limiter.exceeded() {
             return Err(CallError::LimitExceeded {
                 component,
                 export,
@@ -429,6 +301,11 @@ impl Call {
         let guest_stderr = String::from_utf8_lossy(&self.stderr.contents()).into_owned();
         let mut reason = match err.downcast_ref::<Trap>() {
             Some(trap) => trap.to_string(),
+            // A host import refused what the guest passed: its message says
+            // why; the wasm backtrace around it says nothing to a reader.
+            None if err.downcast_ref::<wasmtime::WasmBacktrace>().is_some() => {
+                err.root_cause().to_string()
+            }
             None => format!("{err:#}"),
         };
         let denied = self.denied_http.describe();

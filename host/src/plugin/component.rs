@@ -15,13 +15,14 @@ use super::bindings::wit::{
 };
 use super::boundary::run_state_bytes;
 use super::cache::{compile, sha256_hex, CacheOutcome};
-use super::call::{with_deadline, Call, CallEnv, CallState, ComponentLimits};
+use super::call::{with_deadline, Call, CallEnv, CallState};
 use super::engine::SandboxEngine;
 use super::error::{CallError, LoadError};
 use super::factors::config::ComponentConfig;
 use super::factors::step::StepTag;
 use super::grants::Grants;
 use super::guest_pool;
+use super::limits::ComponentLimits;
 
 /// How the operator set up one component.
 #[derive(Clone, Debug, Default)]
@@ -110,12 +111,12 @@ impl SandboxEngine {
         &self,
         world: World,
         wasm: &[u8],
-        settings: &ComponentSettings,
+        settings: &mut ComponentSettings,
     ) -> Result<Compiled, LoadError> {
         let name = settings.name.clone();
         settings
             .grants
-            .validate()
+            .resolve()
             .map_err(|reason| LoadError::Grant {
                 name: name.clone(),
                 reason,
@@ -225,7 +226,8 @@ impl SandboxEngine {
         settings: ComponentSettings,
     ) -> Result<RunnerComponent, LoadError> {
         let world = World::Runner;
-        let compiled = self.compile_for(world, wasm, &settings)?;
+        let mut settings = settings;
+        let compiled = self.compile_for(world, wasm, &mut settings)?;
         let name = &settings.name;
         let instance_pre = self
             .linker(world)
@@ -245,7 +247,8 @@ impl SandboxEngine {
         settings: ComponentSettings,
     ) -> Result<ToolComponent, LoadError> {
         let world = World::Tool;
-        let compiled = self.compile_for(world, wasm, &settings)?;
+        let mut settings = settings;
+        let compiled = self.compile_for(world, wasm, &mut settings)?;
         let name = settings.name.clone();
         let instance_pre = self
             .linker(world)

@@ -4,7 +4,9 @@
 //!
 //! Directory grants go through wasmtime-wasi's preopens, which resolve every
 //! path with cap-std inside the granted directory: neither `..` nor a symlink
-//! can leave it. Outbound HTTP goes through wasi:http and is checked against
+//! can leave it. The granted directory itself is resolved once, at load, and
+//! opened on each call without following symlinks (see
+//! [`super::grant_paths`]), so no one can redirect it later. Outbound HTTP goes through wasi:http and is checked against
 //! an allow-list of `host:port` authorities (see [`super::factors::http`]).
 //! Raw TCP is off unless exact socket addresses are granted; UDP and DNS
 //! lookups are always off.
@@ -17,6 +19,8 @@ use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::sockets::SocketAddrUse;
 use wasmtime_wasi::{FsPerms, WasiCtx, WasiCtxBuilder};
 
+use super::grant_paths::{canonical_root, handle_path, open_root_no_follow};
+
 /// Whether a granted directory may be changed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -28,9 +32,13 @@ pub enum DirAccess {
 /// A host directory, visible to the guest at `guest_path`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DirGrant {
+    /// Where it is on the host; canonical once the component is loaded.
     pub host_path: PathBuf,
     pub guest_path: String,
     pub access: DirAccess,
+    /// The operator allows this grant to overlap other components' grants
+    /// (see [`super::grant_paths::check_overlaps`]).
+    pub shared: bool,
 }
 
 /// Everything a component may reach beyond its own memory.
@@ -117,6 +125,7 @@ impl Grants {
             host_path: host_path.into(),
             guest_path: guest_path.into(),
             access,
+            shared: false,
         });
         self
     }
@@ -171,6 +180,17 @@ impl Grants {
         Ok(())
     }
 
+    /// [`Self::validate`], then resolves each granted directory to its
+    /// canonical path: the symlinks in the configured path are followed now,
+    /// at load, and never again.
+    pub fn resolve(&mut self) -> Result<(), String> {
+        self.validate()?;
+        for grant in &mut self.dirs {
+            grant.host_path = canonical_root(grant)?;
+        }
+        Ok(())
+    }
+
     /// A fresh WASI context holding exactly these grants.
     pub(crate) fn wasi_ctx(&self, stderr: MemoryOutputPipe) -> anyhow::Result<WasiCtx> {
         let mut builder = WasiCtxBuilder::new();
@@ -180,8 +200,17 @@ impl Grants {
                 DirAccess::ReadOnly => FsPerms::ReadOnly,
                 DirAccess::ReadWrite => FsPerms::ReadWrite,
             };
+            if !grant.host_path.is_absolute() {
+                anyhow::bail!(
+                    "granted directory {} was not resolved at load",
+                    grant.host_path.display()
+                );
+            }
+            // Opened by handle: the path is walked here without following a
+            // symlink, and WASI opens the very directory this handle holds.
+            let root = open_root_no_follow(&grant.host_path).map_err(anyhow::Error::msg)?;
             builder
-                .preopened_dir(&grant.host_path, &grant.guest_path, perms)
+                .preopened_dir(handle_path(&root), &grant.guest_path, perms)
                 .map_err(|err| {
                     anyhow::anyhow!(
                         "cannot open granted directory {}: {err}",

@@ -569,6 +569,31 @@ mod tests {
     }
 
     #[test]
+    fn a_payload_as_deep_as_write_event_accepts_is_stored_readably() {
+        use crate::plugin::factors::events::{check_payload_shape, MAX_EVENT_PAYLOAD_DEPTH};
+        let depth = MAX_EVENT_PAYLOAD_DEPTH;
+        let text = format!(
+            "{}{{}}{}",
+            "{\"a\":".repeat(depth - 1),
+            "}".repeat(depth - 1)
+        );
+        assert_eq!(check_payload_shape(&text), Ok(()));
+        let mut event = custom("deep");
+        event.event = GuestEvent::Custom {
+            event_type: "deep".into(),
+            payload: serde_json::from_str(&text).expect("parses"),
+        };
+        let stored = guest_event(event, &HashSet::new())
+            .expect("stored")
+            .to_string();
+        // What the store and every reader parse back (serde_json's default
+        // recursion limit), with room to spare for one more wrapping.
+        let wrapped = format!("{{\"page\":[{stored}]}}");
+        let read: Json = serde_json::from_str(&wrapped).expect("readable back");
+        assert_eq!(read["page"][0]["type"], "deep");
+    }
+
+    #[test]
     fn a_guest_cannot_write_the_hosts_own_event_types() {
         for reserved in RESERVED {
             assert_eq!(

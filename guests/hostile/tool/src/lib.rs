@@ -19,6 +19,8 @@ struct Args {
     url: String,
     addr: String,
     megabytes: usize,
+    target: String,
+    depth: usize,
 }
 
 fn spec(name: &str, description: &str) -> ToolSpec {
@@ -100,6 +102,54 @@ fn http_get(url: &str) -> Result<String, ToolError> {
     Ok(format!("{status} {}", String::from_utf8_lossy(&bytes)))
 }
 
+/// Replaces the directory at `path` (inside a writable grant) with a symlink
+/// to `target`: another component whose grant lies below `path` would follow
+/// it if the host opened grants by path.
+fn redirect_grant(path: &str, target: &str) -> Result<String, ToolError> {
+    let (root, rest) = wasi::filesystem::preopens::get_directories()
+        .into_iter()
+        .find_map(|(dir, guest)| {
+            let rest = path.strip_prefix(guest.as_str())?.trim_start_matches('/');
+            Some((dir, rest.to_string()))
+        })
+        .ok_or_else(|| execution(format!("no grant holds {path}")))?;
+    // The directory may hold files; empty it first (one level is enough here).
+    if let Ok(entries) = std::fs::read_dir(path) {
+        for entry in entries.flatten() {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+    let _ = root.remove_directory_at(&rest);
+    root.symlink_at(target, &rest)
+        .map_err(|code| execution(format!("symlink {rest} -> {target} refused: {code:?}")))?;
+    Ok(format!("{path} now points to {target}"))
+}
+
+/// `open`, then `0,0,...,0` of `megabytes` MiB, then `close`, built in
+/// place (the guest's memory limit is the attacker's budget).
+fn zeros(open: &str, megabytes: usize, close: &str) -> String {
+    let len = megabytes << 20;
+    let mut text = String::with_capacity(len + open.len() + close.len());
+    text.push_str(open);
+    for _ in 0..len / 2 {
+        text.push_str("0,");
+    }
+    text.pop();
+    text.push_str(close);
+    text
+}
+
+/// `depth` objects, one inside the other: `{"a":{"a":...{}}}`.
+fn nested_object(depth: usize) -> String {
+    let mut text = String::with_capacity(depth * 6);
+    for _ in 0..depth.saturating_sub(1) {
+        text.push_str("{\"a\":");
+    }
+    text.push_str("{}");
+    text.push_str(&"}".repeat(depth.saturating_sub(1)));
+    text
+}
+
 fn tcp_connect(addr: &str) -> Result<String, ToolError> {
     use wasi::sockets::network::{IpAddressFamily, IpSocketAddress, Ipv4SocketAddress};
     let addr: std::net::SocketAddrV4 = addr
@@ -144,6 +194,10 @@ impl Guest for HostileTool {
             spec("empty_flood", "writes zero-byte events until stopped"),
             spec("handle_hoard", "keeps creating host-side HTTP header maps"),
             spec("trap", "panics"),
+            spec("redirect_grant", "replaces the directory {path} with a symlink to {target}"),
+            spec("event_array", "writes one event whose payload is a {megabytes} MiB JSON array"),
+            spec("event_object", "writes one event whose payload is a {megabytes} MiB JSON object"),
+            spec("event_deep", "writes one event whose payload nests {depth} objects deep"),
         ]
     }
 
@@ -191,6 +245,21 @@ impl Guest for HostileTool {
                 }
             }
             "trap" => panic!("hostile tool panics on purpose"),
+            "redirect_grant" => redirect_grant(&args.path, &args.target),
+            // Not an object, as the interface asks: small numbers are the
+            // costliest to parse into a tree.
+            "event_array" => {
+                events::write_event("big", &zeros("[", args.megabytes, "]"));
+                Ok("written".to_string())
+            }
+            "event_object" => {
+                events::write_event("big", &zeros("{\"a\":[", args.megabytes, "]}"));
+                Ok("written".to_string())
+            }
+            "event_deep" => {
+                events::write_event("deep", &nested_object(args.depth));
+                Ok(format!("wrote {} levels", args.depth))
+            }
             other => Err(execution(format!("no tool {other}"))),
         }
     }

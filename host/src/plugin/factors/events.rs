@@ -137,9 +137,8 @@ struct WriterInner {
     byte_limit: u64,
     dropped_after_close: AtomicU64,
     dropped_over_budget: AtomicU64,
-    /// Events refused for their form (a type that is no name, a payload that
-    /// is no JSON object).
-    malformed: AtomicU64,
+    /// Custom events dropped for being over [`MAX_EVENT_PAYLOAD_BYTES`].
+    dropped_oversized: AtomicU64,
 }
 
 /// Writes events for one call, tagged with its Step. Cheap to clone.
@@ -159,7 +158,7 @@ impl EventWriter {
                 byte_limit,
                 dropped_after_close: AtomicU64::new(0),
                 dropped_over_budget: AtomicU64::new(0),
-                malformed: AtomicU64::new(0),
+                dropped_oversized: AtomicU64::new(0),
             }),
         }
     }
@@ -226,9 +225,10 @@ impl EventWriter {
         true
     }
 
-    /// Counts a malformed event; true for the call's first (warn once).
-    fn malformed(&self) -> bool {
-        self.inner.malformed.fetch_add(1, Ordering::Relaxed) == 0
+    /// Counts an event dropped for its size; true for the call's first
+    /// (warn once).
+    fn refuse_oversized(&self) -> bool {
+        self.inner.dropped_oversized.fetch_add(1, Ordering::Relaxed) == 0
     }
 
     /// Called when the call returns; later writes are dropped.
@@ -314,21 +314,33 @@ impl events::Host for CallState {
     fn write_event(&mut self, event_type: String, payload: String) -> wasmtime::Result<()> {
         // A type is a name: it becomes an SSE `event:` line, which cannot
         // hold a line break.
-        let valid_name = !event_type.is_empty()
-            && event_type.len() <= 100
-            && event_type
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | ':' | '/'));
-        if !valid_name {
-            if self.events.malformed() {
+        if !is_event_type_name(&event_type) {
+            return Err(wasmtime::format_err!(
+                "write-event: the event type {} is not a name of [A-Za-z0-9_.:/-], 1 to 100 bytes",
+                preview(&event_type)
+            ));
+        }
+        // The interface promises a JSON object no deeper than the readers
+        // can take back; anything else fails the call. The check is one pass
+        // that allocates nothing.
+        check_payload_shape(&payload).map_err(|reason| {
+            wasmtime::format_err!("write-event {event_type:?}: the payload {reason}")
+        })?;
+        // What cannot fit the budget is not parsed: it is dropped like any
+        // event past the budget. Nor is one event over its own cap, whatever
+        // the budget: parsing into a tree takes many times the text's size.
+        if payload.len() > MAX_EVENT_PAYLOAD_BYTES {
+            if self.events.refuse_oversized() {
                 tracing::warn!(
                     component = %self.component,
-                    "dropped an event whose type is not a name of [A-Za-z0-9_.:/-], 1 to 100 bytes"
+                    event_type = %event_type,
+                    bytes = payload.len(),
+                    limit = MAX_EVENT_PAYLOAD_BYTES,
+                    "dropped an event whose payload is over the size one event may have"
                 );
             }
             return Ok(());
         }
-        // What cannot fit the budget is not even parsed.
         let size = (event_type.len() + payload.len()) as u64 + EVENT_ENVELOPE_BYTES;
         if !self.events.affords(size) {
             self.warn_over_budget(self.events.byte_limit());
@@ -339,18 +351,83 @@ impl events::Host for CallState {
                 event_type,
                 payload,
             }),
-            _ => {
-                if self.events.malformed() {
-                    tracing::warn!(
-                        component = %self.component,
-                        event_type = %event_type,
-                        "dropped an event whose payload is not a JSON object"
-                    );
-                }
-                Ok(())
-            }
+            Ok(_) => Err(wasmtime::format_err!(
+                "write-event {event_type:?}: the payload is not a JSON object"
+            )),
+            Err(err) => Err(wasmtime::format_err!(
+                "write-event {event_type:?}: the payload is not valid JSON: {err}"
+            )),
         }
     }
+}
+
+/// The largest payload one custom event may have, whatever the call's
+/// budget; a larger one is dropped with a warning and the call goes on.
+pub const MAX_EVENT_PAYLOAD_BYTES: usize = 256 << 10;
+
+/// How deep a custom event's payload may nest (objects and arrays). The
+/// stored entry wraps the payload in two more levels, and every reader
+/// parses with serde_json's limit of 128: whatever is accepted here must be
+/// readable back.
+pub const MAX_EVENT_PAYLOAD_DEPTH: usize = 64;
+
+/// Whether `name` may be an event type (and so an SSE `event:` line).
+fn is_event_type_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 100
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | ':' | '/'))
+}
+
+/// The first bytes of a guest's string, quoted, for an error message.
+fn preview(text: &str) -> String {
+    let mut end = text.len().min(100);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    if end < text.len() {
+        format!("{:?}... ({} bytes)", &text[..end], text.len())
+    } else {
+        format!("{text:?}")
+    }
+}
+
+/// Checks, in one pass and without allocating, that `payload` starts as a
+/// JSON object and nests at most [`MAX_EVENT_PAYLOAD_DEPTH`] deep. Whether it
+/// is valid JSON is left to the parser, which then never meets deep input.
+pub fn check_payload_shape(payload: &str) -> Result<(), String> {
+    if !payload.trim_start().starts_with('{') {
+        return Err("is not a JSON object".to_string());
+    }
+    let mut depth = 0usize;
+    let mut in_string = false;
+    let mut escaped = false;
+    for byte in payload.bytes() {
+        if in_string {
+            match byte {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match byte {
+            b'"' => in_string = true,
+            b'{' | b'[' => {
+                depth += 1;
+                if depth > MAX_EVENT_PAYLOAD_DEPTH {
+                    return Err(format!(
+                        "nests deeper than {MAX_EVENT_PAYLOAD_DEPTH} levels"
+                    ));
+                }
+            }
+            b'}' | b']' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -393,6 +470,34 @@ mod tests {
             json_len(&"\u{1}".repeat(10)),
             serde_json::to_string(&"\u{1}".repeat(10)).map_or(0, |t| t.len() - 2)
         );
+    }
+
+    #[test]
+    fn a_payload_must_be_an_object_no_deeper_than_the_limit() {
+        let nested = |depth: usize| {
+            format!(
+                "{}{{}}{}",
+                "{\"a\":".repeat(depth - 1),
+                "}".repeat(depth - 1)
+            )
+        };
+        assert_eq!(
+            check_payload_shape(&nested(MAX_EVENT_PAYLOAD_DEPTH)),
+            Ok(())
+        );
+        assert!(check_payload_shape(&nested(MAX_EVENT_PAYLOAD_DEPTH + 1))
+            .is_err_and(|e| e.contains("nests deeper than 64")));
+        // Arrays count as levels; brackets inside strings do not.
+        let arrays = format!("{{\"a\":{}{}}}", "[".repeat(64), "]".repeat(64));
+        assert!(check_payload_shape(&arrays).is_err());
+        let quoted = format!("{{\"a\":\"{}\\\"{}\"}}", "[".repeat(500), "{".repeat(500));
+        assert_eq!(check_payload_shape(&quoted), Ok(()));
+        for not_object in ["[1]", "1", "\"x\"", "", "null", " [{}]"] {
+            assert!(
+                check_payload_shape(not_object).is_err_and(|e| e == "is not a JSON object"),
+                "{not_object:?}"
+            );
+        }
     }
 
     #[test]
