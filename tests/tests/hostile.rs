@@ -563,3 +563,35 @@ fn component_call_grants_read_only_by_default_and_never_dexas_state() {
     assert!(!ok && text.contains("holds dexa's own state"), "{text}");
     assert!(!text.contains("token-never-seen"), "{text}");
 }
+
+/// The measurement behind issue 15's numbers, not a check: the worker's
+/// peak RSS after each containment attack. Run it with
+/// `cargo build -p dexa && cargo test -p dexa-tests --test hostile -- --ignored --nocapture containment_peak_rss`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement; prints numbers"]
+async fn containment_peak_rss_under_each_attack() {
+    let mut stack = AgentTestStack::with_config(|dir| render_containment(dir, true));
+    let worker = stack.start_worker();
+    let pid = stack.worker(worker).pid();
+    let (wat, events) = (stack.sessions("Wat"), stack.sessions("Events"));
+    let healthy = first_turn(&events, "warm", "tool event_deep {\"depth\":2}").await;
+    println!("baseline: {} MiB ({healthy:?})", peak_rss_mib(pid));
+    for (sessions, id, message) in [
+        (&events, "array", "tool event_array {\"megabytes\":40}"),
+        (&events, "object", "tool event_object {\"megabytes\":40}"),
+        (&events, "deep", "tool event_deep {\"depth\":127}"),
+        (&wat, "tables", "tool tables {}"),
+        (&wat, "memories", "tool memories {}"),
+    ] {
+        let end = first_turn(sessions, id, message).await;
+        let outcome: String = end.text.chars().take(120).collect();
+        println!(
+            "after {message}: peak {} MiB ({outcome})",
+            peak_rss_mib(pid)
+        );
+    }
+    match events.read_events("deep", 0, 1000).await {
+        Ok((read, _)) => println!("the deep session's stream reads back {} events", read.len()),
+        Err(err) => println!("the deep session's stream cannot be read: {err}"),
+    }
+}
