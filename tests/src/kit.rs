@@ -164,7 +164,8 @@ impl AgentTestStack {
         Self::with_settings(agents, KitSettings::default())
     }
 
-    /// Writes `dexa.toml` (every component granted `gates/` at `/gates`).
+    /// Writes `dexa.toml` (every component granted `gates/` at `/gates`,
+    /// marked `shared`).
     pub fn with_settings(agents: Vec<KitAgent>, settings: KitSettings) -> Self {
         Self::with_config(|_| render_config(&agents, &settings))
     }
@@ -286,7 +287,9 @@ impl AgentTestStack {
 /// The `dexa.toml` of `agents` (see [`AgentTestStack::with_settings`]), for a
 /// test that adds to it.
 pub fn render_config(agents: &[KitAgent], settings: &KitSettings) -> String {
-    let gates = json!([{"host": "gates", "guest": "/gates", "access": "read_write"}]);
+    // Every component shares the one gates directory, on purpose.
+    let gates =
+        json!([{"host": "gates", "guest": "/gates", "access": "read_write", "shared": true}]);
     let mut components = serde_json::Map::new();
     let mut agent_tables = serde_json::Map::new();
     for agent in agents {

@@ -30,7 +30,9 @@ async fn zero_byte_event_floods_cost_their_budget_not_the_worker() {
     stack.start_worker_with_env(&[], &WORKER_ENV);
     let pid = stack.worker(0).pid();
     let healthy = stack.sessions("Healthy");
-    let attacks = stack.sessions("Attacks");
+    // The floods never end by themselves: the agent whose 1 s deadline
+    // stops them.
+    let attacks = stack.sessions("Spinner");
     healthy_turns(&healthy, "warm", 2).await;
     let solo = healthy_turns(&healthy, "solo", 9).await;
     let idle_rss = rss_mib(pid);

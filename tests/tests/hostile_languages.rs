@@ -76,6 +76,10 @@ tool_attempt_timeout = "2s"
 
 [agents.PyRunnerAttacks]
 runner = "py-hostile-runner"
+model_step_timeout = "60s"
+
+[agents.PyRunnerSpin]
+runner = "py-hostile-runner"
 model_step_timeout = "2s"
 
 [agents.Healthy]
@@ -278,9 +282,10 @@ async fn each_python_runner_attack_fails_its_turn_by_the_spec_route_and_the_sess
         ),
     ];
     assert_runner_attacks_fail_their_turns(&sessions, &failing).await;
-    // The endless loop alone, so that it starves no other attack.
+    // The endless loop alone, so that it starves no other attack, on the
+    // agent whose short deadline stops it.
     let spin = [("spin", "`run-model-step` ran past its deadline of 2s")];
-    assert_runner_attacks_fail_their_turns(&sessions, &spin).await;
+    assert_runner_attacks_fail_their_turns(&stack.sessions("PyRunnerSpin"), &spin).await;
 
     // A raising run_model_step is retried three times, then RecordTurnFailure.
     let history = stack.read_step_history("trap-model").await;

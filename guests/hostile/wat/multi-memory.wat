@@ -1,8 +1,9 @@
-;; A hostile tool with eight linear memories: its own and one in each of
-;; seven more core instances, each grown to 120 MiB and written through, under a memory limit
-;; of 128 MiB. The limit bounds the sum over every memory of the call, so the
-;; second growth must fail it. (One module may declare one memory in the
-;; pooling allocator; eight modules may hold eight.)
+;; A hostile tool with eight linear memories: its own small one, and one in
+;; each of seven more core instances, grown to 120 MiB each and written
+;; through, under a memory limit of 128 MiB. The limit bounds the sum over
+;; every memory of the call, so the second growth must fail it. (In the
+;; pooling allocator one module may declare one memory; a component may hold
+;; eight.)
 ;; Built by the tests with the `wat` crate (tests/src/wat.rs).
 (component
   (core module $memory_module
@@ -47,7 +48,7 @@
       (global.set $heap (i32.add (local.get $at) (local.get $size)))
       (local.get $at))
     (data (i32.const 64) "memories")
-    (data (i32.const 96) "holds 120 MiB in each of eight linear memories")
+    (data (i32.const 96) "holds 120 MiB in each of seven linear memories")
     (data (i32.const 224) "{\"type\":\"object\"}")
     (data (i32.const 256) "held")
     ;; list<tool-spec> with one entry: the record at 300, the list at 400.
