@@ -152,6 +152,55 @@ async fn an_idle_keep_alive_connection_and_a_dripping_one_are_closed_at_the_head
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_never_reads_its_answers_is_disconnected() {
+    // Header timeout 1 s: the write-stall timeout is then its floor, 10 s.
+    let server = ServeProcess::start(FD_LIMIT, &[("DEXA_HEADER_TIMEOUT", "1s")], &[]).await;
+    let address = server.address;
+    until_ok(address, "/healthz", None, Duration::from_secs(10))
+        .await
+        .unwrap_or_else(|err| panic!("{err}"));
+    // Public pages, pipelined, never read: about 6 MB of answers, more
+    // than the socket buffers hold, so the server's writes stall.
+    let socket = tokio::net::TcpSocket::new_v4().unwrap_or_else(|err| panic!("socket: {err}"));
+    socket
+        .set_recv_buffer_size(4096)
+        .unwrap_or_else(|err| panic!("SO_RCVBUF: {err}"));
+    let mut reader = socket
+        .connect(address)
+        .await
+        .unwrap_or_else(|err| panic!("connect: {err}"));
+    let pipelined = "GET /openapi.json HTTP/1.1\r\nHost: dexa\r\n\r\n".repeat(400);
+    // The server reads requests only as it answers them, so this write
+    // may not finish: give it a moment, then stop writing.
+    let _ = tokio::time::timeout(
+        Duration::from_secs(5),
+        reader.write_all(pipelined.as_bytes()),
+    )
+    .await;
+    let started = Instant::now();
+    let closed = loop {
+        // The server closes with requests unread, so the close is a reset,
+        // which a write then reports.
+        match reader.try_write(b"x") {
+            Err(err)
+                if matches!(
+                    err.kind(),
+                    std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
+                ) =>
+            {
+                break true
+            }
+            _ if started.elapsed() > Duration::from_secs(60) => break false,
+            _ => tokio::time::sleep(Duration::from_millis(500)).await,
+        }
+    };
+    assert!(
+        closed,
+        "a connection whose client read none of its answers was still open after 60 s"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_ends_the_server_with_half_sent_requests_and_an_event_stream_open() {
     let server = ServeProcess::start(FD_LIMIT, &[], &[]).await;
     let address = server.address;

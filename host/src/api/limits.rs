@@ -28,6 +28,10 @@ pub const HEALTH_RESERVE: usize = 32;
 /// if that is shorter): a health checker sends its request at once, so an
 /// attacker's connection leaves the reserve quickly.
 pub const RESERVE_HEADER_TIMEOUT: Duration = Duration::from_secs(2);
+/// The shortest write-stall timeout (see
+/// [`ConnectionLimits::write_stall_timeout`]), whatever the header timeout:
+/// an event stream's client may pause reading briefly.
+pub const MIN_WRITE_STALL_TIMEOUT: Duration = Duration::from_secs(10);
 /// The default `--max-connections` is at most this many, whatever the
 /// open-file limit: each connection costs a task and up to
 /// [`MAX_HEADER_BYTES`] of buffer.
@@ -106,6 +110,16 @@ impl ConnectionLimits {
         })
     }
 
+    /// How long a response may wait on a client that reads none of it
+    /// (a write that cannot proceed because the client's window and the
+    /// socket's buffer are full): the header timeout, at least
+    /// [`MIN_WRITE_STALL_TIMEOUT`]. Without it, a client that pipelines
+    /// requests for a public page and never reads would hold its connection
+    /// for ever; any progress starts the wait again.
+    pub fn write_stall_timeout(&self) -> Duration {
+        self.header_timeout.max(MIN_WRITE_STALL_TIMEOUT)
+    }
+
     /// The header timeout on a health-check reserve connection.
     pub fn reserve_header_timeout(&self) -> Duration {
         self.header_timeout.min(RESERVE_HEADER_TIMEOUT)
@@ -172,6 +186,7 @@ mod tests {
         assert_eq!(at_1024.header_timeout, DEFAULT_HEADER_TIMEOUT);
         assert_eq!(at_1024.max_connections, 1024 - 256 - HEALTH_RESERVE);
         assert_eq!(at_1024.health_reserve, HEALTH_RESERVE);
+        assert_eq!(at_1024.write_stall_timeout(), MIN_WRITE_STALL_TIMEOUT);
         let at_256 = limits(None, None, 256).unwrap_or_else(|err| panic!("{err}"));
         assert_eq!(at_256.max_connections, 256 - 128 - HEALTH_RESERVE);
         let huge = limits(None, None, 1 << 20).unwrap_or_else(|err| panic!("{err}"));
@@ -181,6 +196,9 @@ mod tests {
         assert_eq!(explicit.max_connections, 10);
         assert_eq!(explicit.header_timeout, Duration::from_secs(3));
         assert_eq!(explicit.reserve_header_timeout(), RESERVE_HEADER_TIMEOUT);
+        let long =
+            limits(Some(Duration::from_secs(60)), None, 1024).unwrap_or_else(|err| panic!("{err}"));
+        assert_eq!(long.write_stall_timeout(), Duration::from_secs(60));
         let short = limits(Some(Duration::from_millis(500)), None, 1024)
             .unwrap_or_else(|err| panic!("{err}"));
         assert_eq!(short.reserve_header_timeout(), Duration::from_millis(500));

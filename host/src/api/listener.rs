@@ -11,6 +11,9 @@
 //!   response (so an idle keep-alive connection is bounded too); hyper's
 //!   `header_read_timeout` is one deadline for the whole head, so a client
 //!   sending a byte a second gains nothing;
+//! - a response that the client does not read for the write-stall timeout
+//!   closes the connection, so a client that pipelines requests for a public
+//!   page and never reads the answers cannot hold it either;
 //! - at most `max_connections` connections are served the API at once, sized
 //!   below the open-file limit (see [`super::limits`]);
 //! - beyond them, a small reserve of connections answers only `GET
@@ -39,6 +42,7 @@ use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 use tokio::sync::{oneshot, Semaphore};
+use tokio_io_timeout::TimeoutStream;
 
 use super::limits::{ConnectionLimits, MAX_HEADER_BYTES};
 use super::ApiError;
@@ -86,9 +90,13 @@ pub async fn serve(
         // The permit is held by the connection's task and freed when it
         // ends, however it ends.
         if let Ok(permit) = full.clone().try_acquire_owned() {
+            // Reads need no timeout of their own: the header timeout bounds
+            // a head, and a body is read only after the token was checked.
+            let mut io = TimeoutStream::new(stream);
+            io.set_write_timeout(Some(limits.write_stall_timeout()));
+            let io = TokioIo::new(Box::pin(io));
             let service = TowerToHyperService::new(app.clone());
-            let connection =
-                graceful.watch(api_http.serve_connection(TokioIo::new(stream), service));
+            let connection = graceful.watch(api_http.serve_connection(io, service));
             tokio::spawn(async move {
                 if let Err(err) = connection.await {
                     tracing::debug!(error = %err, "an API connection ended with an error");
