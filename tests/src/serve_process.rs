@@ -4,7 +4,8 @@
 //!
 //! The server runs `$DEXA_BIN` (else `target/<profile>/dexa`, see
 //! [`crate::kit::dexa_binary`]) on `127.0.0.1:0`, through `sh -c 'ulimit -n
-//! N; exec dexa serve ...'`, and is killed when dropped.
+//! N; exec dexa serve ...'`, and is killed when dropped or when the test
+//! process dies.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -69,6 +70,15 @@ impl ServeProcess {
             .kill_on_drop(true);
         for (name, value) in env {
             command.env(name, value);
+        }
+        // SAFETY: prctl is async-signal-safe. The server dies with the test
+        // process even if that is killed before it can drop this handle
+        // (the setting survives the exec of sh into dexa).
+        unsafe {
+            command.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
         }
         let mut child = command
             .spawn()
