@@ -41,6 +41,17 @@ impl ApiError {
         )
     }
 
+    /// 503 `overloaded`: every connection the server keeps for the API is
+    /// taken (see `dexa serve --max-connections`).
+    pub fn overloaded() -> Self {
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "overloaded",
+            "the server has no free connection for the API; only /healthz is answered now; \
+             try again shortly",
+        )
+    }
+
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", message)
     }

@@ -4,6 +4,8 @@
 //! `/v1`.
 
 pub mod error;
+pub mod limits;
+pub mod listener;
 pub mod openapi;
 
 use std::collections::VecDeque;
@@ -83,7 +85,7 @@ pub fn router(state: ApiState) -> Router {
     Router::new()
         .merge(api)
         .route("/openapi.json", get(|| async { Json(openapi::document()) }))
-        .route("/healthz", get(|| async { Json(json!({"ok": true})) }))
+        .route("/healthz", get(healthz))
         // The web viewer: a static page; it calls the API with the token the
         // user pastes (kept in the browser's localStorage).
         .route("/", get(|| async { Html(VIEWER) }))
@@ -99,6 +101,12 @@ pub fn router(state: ApiState) -> Router {
         // a documented part of the API; `body` turns its rejection into JSON.
         .layer(DefaultBodyLimit::max(MAX_REQUEST_BODY_BYTES))
         .with_state(state)
+}
+
+/// `GET /healthz`: the process is up and serving HTTP. Also served by the
+/// health-check reserve when the API's connections are all taken.
+async fn healthz() -> Json<Value> {
+    Json(json!({"ok": true}))
 }
 
 async fn require_token(State(state): State<ApiState>, request: Request, next: Next) -> Response {

@@ -50,7 +50,7 @@ pub fn document() -> Value {
         "info": {
             "title": "dexa",
             "version": env!("CARGO_PKG_VERSION"),
-            "description": "Durable agent sessions whose runner and tools are sandboxed WebAssembly components. Every /v1 route needs `Authorization: Bearer <token>`."
+            "description": "Durable agent sessions whose runner and tools are sandboxed WebAssembly components. Every /v1 route needs `Authorization: Bearer <token>`. When every connection the server keeps for the API is taken, any request but `GET /healthz` gets a 503 `overloaded` with `Retry-After`."
         },
         "security": [{"bearer": []}],
         "paths": {

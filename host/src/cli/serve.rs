@@ -4,12 +4,14 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
 
 use super::worker::{print_progress, shutdown_signal};
-use crate::api::{router, ApiState};
+use crate::api::limits::{raise_fd_limit, ConnectionLimits};
+use crate::api::{listener, router, ApiState};
 use crate::config::{Deployment, DexaConfig};
 
 /// How long open requests (event streams) may run on after a stop signal.
@@ -30,6 +32,22 @@ pub struct ServeArgs {
     /// Serve the API only; run the Steps with `dexa worker` elsewhere.
     #[arg(long)]
     pub no_worker: bool,
+    /// How long a client may take to send a request's headers, from when
+    /// its connection opens or its previous response ends (default 10s;
+    /// 100ms to 5m). Slower clients are disconnected.
+    #[arg(long, env = "DEXA_HEADER_TIMEOUT", value_parser = parse_duration)]
+    pub header_timeout: Option<Duration>,
+    /// Connections served the API at once; 32 more answer only /healthz
+    /// (default: what the open-file limit leaves after the store and the
+    /// worker, at most 4096).
+    #[arg(long, env = "DEXA_MAX_CONNECTIONS")]
+    pub max_connections: Option<usize>,
+}
+
+/// `10s`, `500ms`, `1m`...
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    humantime::parse_duration(text)
+        .map_err(|err| format!("{err} (write a duration such as 10s or 500ms)"))
 }
 
 /// The API token: from `--token-file`, else `$DEXA_API_TOKEN`, else the
@@ -97,6 +115,10 @@ fn write_private(path: &Path, text: &str) -> anyhow::Result<()> {
 }
 
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
+    // Sized before anything else opens files, so that a bad value is
+    // refused at once.
+    let fd_limit = raise_fd_limit().context("cannot read the open-file limit")?;
+    let limits = ConnectionLimits::new(args.header_timeout, args.max_connections, fd_limit)?;
     let config = DexaConfig::load(&args.config)?;
     let (token, source) = resolve_token(args.token_file.as_deref(), &config)?;
     let deployment = if args.no_worker {
@@ -113,24 +135,30 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         deployment: deployment.clone(),
         token: Some(Arc::new(token)),
     });
-    let listener = tokio::net::TcpListener::bind(args.listen)
+    let tcp = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
-    let address = listener.local_addr()?;
+    let address = tcp.local_addr()?;
     let agents: Vec<&String> = deployment.config.agents.keys().collect();
     eprintln!(
         "dexa serve: http://{address} (API under /v1, OpenAPI at /openapi.json); agents {agents:?}; {}; the API token is in {source}",
         if args.no_worker { "no worker (run dexa worker)" } else { "with a worker" }
     );
+    eprintln!(
+        "dexa serve: up to {} connections ({} more for /healthz), headers within {} (open-file limit {fd_limit})",
+        limits.max_connections,
+        limits.health_reserve,
+        humantime::format_duration(limits.header_timeout),
+    );
     // Event streams never end by themselves: after the signal, open
     // requests get a few seconds, then the server stops anyway.
     let (stopping, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = axum::serve(listener, app).with_graceful_shutdown(async move {
+    let server = listener::serve(tcp, app, limits, async move {
         shutdown_signal().await;
         let _ = stopping.send(());
     });
     tokio::select! {
-        served = server => served.context("the HTTP server failed")?,
+        () = server => {}
         _ = async {
             if stopped.await.is_ok() {
                 tokio::time::sleep(SHUTDOWN_GRACE).await;
