@@ -33,10 +33,21 @@ pub fn p50(samples: &[Duration]) -> Duration {
 
 /// The resident set of process `pid`, in MiB (0 once it is gone).
 pub fn rss_mib(pid: u32) -> u64 {
+    status_mib(pid, "VmRSS:")
+}
+
+/// The highest resident set process `pid` ever had (the kernel's `VmHWM`),
+/// in MiB (0 once it is gone): unlike sampling, it misses no short peak.
+pub fn peak_rss_mib(pid: u32) -> u64 {
+    status_mib(pid, "VmHWM:")
+}
+
+/// A `kB` field of `/proc/<pid>/status`, in MiB.
+fn status_mib(pid: u32, field: &str) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
     status
         .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .find_map(|line| line.strip_prefix(field))
         .and_then(|rest| {
             rest.trim()
                 .trim_end_matches("kB")
