@@ -846,8 +846,7 @@ async fn a_second_start_loads_the_cached_artifact_instead_of_compiling() {
         .await
         .expect("load");
     assert_eq!(tool.info().cache, CacheOutcome::Compiled);
-    let entries = std::fs::read_dir(cache.path()).expect("cache dir").count();
-    assert_eq!(entries, 1);
+    assert_eq!(cache_entries(cache.path()).len(), 1);
     drop(tool);
     drop(first);
 
@@ -875,11 +874,8 @@ async fn a_second_start_loads_the_cached_artifact_instead_of_compiling() {
     assert_eq!(output, "cached");
 
     // A corrupt entry is recompiled, not trusted.
-    for entry in std::fs::read_dir(cache.path())
-        .expect("cache dir")
-        .filter_map(Result::ok)
-    {
-        std::fs::write(entry.path(), b"garbage").expect("corrupt");
+    for entry in cache_entries(cache.path()) {
+        std::fs::write(entry, b"garbage").expect("corrupt");
     }
     let third = SandboxEngine::new(SandboxConfig {
         cache_dir: Some(cache.path().to_path_buf()),
@@ -890,7 +886,57 @@ async fn a_second_start_loads_the_cached_artifact_instead_of_compiling() {
         .load_tool(&wasm, ComponentSettings::named("echo-tool"))
         .await
         .expect("load");
-    assert_eq!(tool.info().cache, CacheOutcome::Compiled);
+    assert_eq!(tool.info().cache, CacheOutcome::Recompiled);
+}
+
+/// The compiled components in a cache directory (not its key).
+fn cache_entries(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    std::fs::read_dir(dir)
+        .expect("cache dir")
+        .filter_map(Result::ok)
+        .map(|entry| entry.path())
+        .filter(|path| path.extension().is_some_and(|ext| ext == "cwasm"))
+        .collect()
+}
+
+#[tokio::test]
+async fn a_cache_entry_swapped_for_another_component_s_is_refused_and_its_code_never_runs() {
+    let cache = tempfile::tempdir().expect("tempdir");
+    let config = SandboxConfig {
+        cache_dir: Some(cache.path().to_path_buf()),
+        ..SandboxConfig::default()
+    };
+    let (echo, tiny) = (guest_bytes("echo-tool"), guest_bytes("tiny-tool"));
+    let engine = SandboxEngine::new(config.clone()).expect("engine");
+    let echo_tools = engine
+        .load_tool(&echo, ComponentSettings::named("echo-tool"))
+        .await
+        .expect("load echo-tool")
+        .tools()
+        .len();
+    let before = cache_entries(cache.path());
+    engine
+        .load_tool(&tiny, ComponentSettings::named("tiny-tool"))
+        .await
+        .expect("load tiny-tool");
+    drop(engine);
+    let tiny_entry = cache_entries(cache.path())
+        .into_iter()
+        .find(|path| !before.contains(path))
+        .expect("tiny-tool's entry");
+    // The attacker's move: tiny-tool's valid entry under echo-tool's name.
+    std::fs::copy(&tiny_entry, &before[0]).expect("swap the entry");
+
+    let engine = SandboxEngine::new(config).expect("engine");
+    let tool = engine
+        .load_tool(&echo, ComponentSettings::named("echo-tool"))
+        .await
+        .expect("load echo-tool again");
+    // `list-tools` ran at load: echo-tool's code answered, not tiny-tool's
+    // (which serves one tool, `echo`).
+    assert_eq!(tool.tools().len(), echo_tools, "{:?}", tool.tools());
+    assert!(tool.serves("count_calls"));
+    assert_eq!(tool.info().cache, CacheOutcome::Recompiled);
 }
 
 #[tokio::test]

@@ -196,3 +196,196 @@ async fn the_viewer_starts_a_session_shows_live_text_and_approves_a_tool_call() 
         panic!("browser: {err}");
     }
 }
+
+/// Markup and script that must show up as text, never run or become DOM.
+const IMG: &str = r#"<img src=x onerror="window.__pwned=1">"#;
+const SCRIPT: &str = "<script>window.__pwned=2</script>";
+const SVG: &str = r#""><svg onload=window.__pwned=3>"#;
+const LINK: &str = r#"<a href="javascript:window.__pwned=4">click me</a>"#;
+const JS_URL: &str = "javascript:window.__pwned=5";
+
+fn hostile(label: &str) -> String {
+    format!("{label} {IMG} {SCRIPT} {SVG} {LINK} {JS_URL}")
+}
+
+/// What a page of the viewer must never contain: the marker set by any
+/// hostile script, markup elements the page itself never makes, a second
+/// script, inline handlers, and `javascript:` URLs. Returns what it found.
+const INJECTED: &str = r#"
+const found = [];
+if (window.__pwned !== undefined) found.push('window.__pwned = ' + window.__pwned);
+for (const e of document.querySelectorAll('img, svg, iframe, object, embed, video, audio, math, base, link, form, meta[http-equiv]'))
+  found.push('element ' + e.outerHTML.slice(0, 80));
+if (document.scripts.length !== 1) found.push(document.scripts.length + ' scripts');
+for (const e of document.querySelectorAll('*'))
+  for (const a of e.attributes) {
+    if (a.name.startsWith('on')) found.push(e.tagName + ' has ' + a.name);
+    if (/^\s*javascript:/i.test(a.value)) found.push(e.tagName + ' ' + a.name + '=' + a.value);
+  }
+for (const a of document.querySelectorAll('a[href]'))
+  if (!a.getAttribute('href').startsWith('#')) found.push('link to ' + a.getAttribute('href'));
+return found;
+"#;
+
+async fn assert_nothing_injected(client: &Client, phase: &str) {
+    let found = client
+        .execute(INJECTED, vec![])
+        .await
+        .unwrap_or_else(|err| panic!("{phase}: {err}"));
+    assert_eq!(found, json!([]), "{phase}: hostile text became DOM or ran");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_markup_in_every_field_renders_as_text_and_never_runs_in_the_viewer() {
+    // The session id, the user's message, the assistant's text and live
+    // deltas, a custom event, tool names, ids, arguments, an output and an
+    // error: each carries markup.
+    let script = json!({"turns": [{"steps": [
+        {"text": hostile("assistant"), "deltas": [hostile("live")],
+         "events": [{"type": "javascript:window.__pwned", "payload": {"html": hostile("event"), "href": JS_URL}}],
+         "tool_calls": [
+            {"id": "ok", "name": format!("tool {IMG}"), "arguments": {"arg": SCRIPT}, "effect": "read"},
+            {"id": "bad", "name": "runner_fail", "arguments": hostile("error"), "effect": "read"},
+            {"id": SVG, "name": format!("ask {SVG}"), "arguments": hostile("arguments"), "effect": "read", "requires_approval": true}
+         ]},
+        {"text": "done"}
+    ]}]});
+    let server = ApiServer::helpdesk(script).await;
+    let http = reqwest::Client::new();
+    let started = http
+        .post(format!("{}/v1/agents/Helpdesk/sessions", server.base))
+        .bearer_auth(TEST_TOKEN)
+        .json(&json!({"session_id": SVG, "message": hostile("user")}))
+        .send()
+        .await
+        .unwrap_or_else(|err| panic!("start: {err}"));
+    assert_eq!(started.status(), 201, "{:?}", started.text().await);
+    let driver = start_driver().await;
+    let client = browser(&driver).await;
+    let result = async {
+        client.goto(&format!("{}/", server.base)).await?;
+        client
+            .execute(
+                "localStorage.setItem('dexa-token', arguments[0]); location.reload(); return true;",
+                vec![json!(TEST_TOKEN)],
+            )
+            .await?;
+        // The list: the session id is a link's text, and its href stays a
+        // fragment of this page.
+        let link = wait_for_js(
+            &client,
+            "the session's link",
+            "const a = document.querySelector('a.session-link'); return a ? a.textContent : null;",
+        )
+        .await;
+        assert_eq!(link, json!(SVG));
+        assert_nothing_injected(&client, "the session list").await;
+        client.execute("document.querySelector('a.session-link').click(); return true;", vec![]).await?;
+
+        // Waiting for approval: the live text, the stored messages so far and
+        // the pending call's name and arguments are all on the page.
+        let pending = wait_for_js(
+            &client,
+            "the pending approval",
+            "const c = document.querySelector('.approval code'); return c ? c.textContent : null;",
+        )
+        .await;
+        assert_eq!(pending, json!(format!("ask {SVG} {}", hostile("arguments"))));
+        let interrupt = client
+            .execute("return document.querySelector('.approval').dataset.interrupt;", vec![])
+            .await?;
+        assert_eq!(interrupt, json!(format!("turn-1/{SVG}")));
+        let live = wait_for_js(
+            &client,
+            "the live text",
+            "const b = document.querySelector('#live .live-block'); return b ? b.childNodes[1].textContent : null;",
+        )
+        .await;
+        assert_eq!(live, json!(hostile("live")));
+        let where_ = client.find(Locator::Id("where")).await?.text().await?;
+        assert_eq!(where_, format!("session {SVG}"));
+        assert_nothing_injected(&client, "waiting for approval").await;
+
+        let clicked = wait_for_js(
+            &client,
+            "the approval's button",
+            "const b = document.querySelector('.approval button.approve'); if (!b) return null; b.click(); return true;",
+        )
+        .await;
+        assert_eq!(clicked, json!(true));
+        let messages = wait_for_js(
+            &client,
+            "the answer after the tools",
+            "const m = [...document.querySelectorAll('#messages .msg')].map(e => e.childNodes[1].textContent); return m.includes('done') ? m : null;",
+        )
+        .await;
+        let messages: Vec<String> = serde_json::from_value(messages).unwrap_or_default();
+        let has = |text: &str| messages.iter().any(|m| m.contains(text));
+        assert!(messages.contains(&hostile("user")), "{messages:#?}");
+        assert!(messages.contains(&hostile("assistant")), "{messages:#?}");
+        // The tool's output (scripted-runner echoes the call as JSON), the
+        // failed call's error, and the approved call's output.
+        let escaped = |text: &str| text.replace('"', "\\\"");
+        assert!(
+            messages
+                .iter()
+                .any(|m| m.contains(&format!("\"tool\":\"tool {}\"", escaped(IMG))) && m.contains(SCRIPT)),
+            "{messages:#?}"
+        );
+        assert!(has(&format!("runner tool failed: {}", hostile("error"))), "{messages:#?}");
+        assert!(has(&escaped(&hostile("arguments"))), "{messages:#?}");
+        assert_nothing_injected(&client, "after the tools").await;
+
+        // The second layer: under the page's policy (Trusted Types), no
+        // string can become markup, an inline handler or a script.
+        let sinks = client
+            .execute(
+                "const tries = { \
+                   innerHTML: () => { document.createElement('div').innerHTML = '<b>x</b>'; }, \
+                   handler: () => { document.createElement('img').setAttribute('onerror', 'window.__csp = 1'); }, \
+                   script: () => { document.createElement('script').text = 'window.__csp = 2'; }, \
+                 }; \
+                 const out = {}; \
+                 for (const [name, attempt] of Object.entries(tries)) { \
+                   try { attempt(); out[name] = 'allowed'; } catch (e) { out[name] = e.name; } \
+                 } \
+                 return out;",
+                vec![],
+            )
+            .await?;
+        Ok::<_, fantoccini::error::CmdError>(sinks)
+    }
+    .await;
+    let _ = client.close().await;
+    let sinks = result.unwrap_or_else(|err| panic!("browser: {err}"));
+    // The custom event reached the stream the page follows.
+    let sessions = server.deployment.sessions("Helpdesk").expect("agent");
+    let (events, _) = sessions.read_events(SVG, 0, 1000).await.expect("events");
+    assert!(
+        events
+            .iter()
+            .any(|(_, e)| e.event_type == "javascript:window.__pwned"
+                && e.data["html"] == json!(hostile("event"))),
+        "the hostile custom event was not written"
+    );
+    let page = http
+        .get(format!("{}/", server.base))
+        .send()
+        .await
+        .unwrap_or_else(|err| panic!("page: {err}"));
+    let policy = page
+        .headers()
+        .get("content-security-policy")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        policy.contains("script-src 'sha256-") && !policy.contains("unsafe"),
+        "the viewer needs a strict Content-Security-Policy, got {policy:?}"
+    );
+    assert_eq!(
+        sinks,
+        json!({"innerHTML": "TypeError", "handler": "TypeError", "script": "TypeError"}),
+        "strings must not reach HTML or script sinks under {policy:?}"
+    );
+}

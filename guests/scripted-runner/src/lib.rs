@@ -31,7 +31,8 @@
 //! `/gates/invocations.log`, to count model calls across processes),
 //! `"sleep_ms": N` (then waits, like a model's latency), `"tool_events":
 //! ["id", ...]` (writes a started and a succeeded finished tool event for
-//! each id, as a framework running its own tools would) and
+//! each id, as a framework running its own tools would), `"events": [{"type":
+//! "name", "payload": {...}}]` (writes each as a custom event) and
 //! `"gate": "name"` (logs the same way, creates `/gates/<name>.reached` and
 //! waits up to 60 s for `/gates/<name>.release`; crash tests kill the worker
 //! there). Both need `/gates` granted. `effect` is the framework effect passed to `resolve-tool-policy`;
@@ -91,6 +92,18 @@ struct StepScript {
     /// Tool call ids to write started/finished events for.
     #[serde(default)]
     tool_events: Vec<String>,
+    /// Custom events to write, in order.
+    #[serde(default)]
+    events: Vec<ScriptedEvent>,
+}
+
+/// A custom event (`events.write-event`) a step writes.
+#[derive(Deserialize, Clone)]
+struct ScriptedEvent {
+    #[serde(rename = "type")]
+    event_type: String,
+    #[serde(default)]
+    payload: Value,
 }
 
 #[derive(Deserialize, Clone)]
@@ -415,6 +428,9 @@ impl Guest for ScriptedRunner {
         for id in &step_script.tool_events {
             events::write_tool_call_started(id, "inner");
             events::write_tool_call_finished(id, "inner", ToolCallStatus::Succeeded);
+        }
+        for event in &step_script.events {
+            events::write_event(&event.event_type, &event.payload.to_string());
         }
         let call = format!("{}/{}#{}", turn.flow_id, turn.turn_id, turn.attempt);
         if let Some(name) = &step_script.log {

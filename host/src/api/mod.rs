@@ -7,6 +7,7 @@ pub mod error;
 pub mod limits;
 pub mod listener;
 pub mod openapi;
+mod viewer;
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -18,7 +19,7 @@ use axum::extract::{DefaultBodyLimit, Path, Query, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::Next;
 use axum::response::sse::{Event, KeepAlive, Sse};
-use axum::response::{Html, IntoResponse, Response};
+use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures_util::Stream;
@@ -38,8 +39,6 @@ use crate::session::{
 
 /// How often an SSE stream looks for new events (other processes write them).
 const EVENT_POLL: Duration = Duration::from_millis(50);
-/// The web viewer's page.
-const VIEWER: &str = include_str!("viewer.html");
 /// Longest accepted session id.
 const MAX_SESSION_ID: usize = 200;
 /// The largest request body, in bytes; a larger one gets a typed 413
@@ -86,9 +85,8 @@ pub fn router(state: ApiState) -> Router {
         .merge(api)
         .route("/openapi.json", get(|| async { Json(openapi::document()) }))
         .route("/healthz", get(healthz))
-        // The web viewer: a static page; it calls the API with the token the
-        // user pastes (kept in the browser's localStorage).
-        .route("/", get(|| async { Html(VIEWER) }))
+        // The web viewer: a static page with a strict CSP (see `viewer`).
+        .route("/", get(viewer::page))
         .fallback(|| async { ApiError::not_found("no such route; see /openapi.json") })
         .method_not_allowed_fallback(|| async {
             ApiError::new(

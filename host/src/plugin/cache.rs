@@ -5,16 +5,50 @@
 //! the engine that affects code generation (wasmtime's own compatibility hash
 //! plus its version), so a changed engine never loads a stale artifact.
 //!
-//! The cache directory holds native code that the host maps as executable:
-//! it must be writable only by the host's user.
+//! # Authenticated entries
+//! An entry is native code that the host maps as executable, and wasmtime's
+//! own checks on it are only a header and version check: a flipped byte in
+//! its machine code would run. So each entry is sealed with an HMAC-SHA256
+//! tag under a secret key of the cache directory (see [`key`]):
+//!
+//! ```text
+//! MAGIC (8 bytes) | tag (32 bytes) | artifact (Component::serialize)
+//! tag = HMAC-SHA256(key, DOMAIN | entry file name | 0 | artifact)
+//! ```
+//!
+//! The tag is checked before `Component::deserialize` sees a byte. The entry
+//! file name (component SHA-256 and engine digest) is under the tag, so a
+//! valid entry of another component or engine copied over this name is
+//! refused too. An entry that is missing its header (written before entries
+//! were sealed), truncated, tampered with, not a regular file or too large
+//! is refused with a warning, removed, and the component compiled anew from
+//! its wasm ([`CacheOutcome::Recompiled`]): it never runs.
+//!
+//! What this protects against: corruption on disk, and anyone who can write
+//! to the cache directory but cannot read the key (another user, if the
+//! directory's permissions let them; a backup restored from elsewhere).
+//! What it does not: anyone who can read the key file (the host's own user,
+//! root, a copy of the key) can forge entries, and anyone who can write to
+//! the directory can still delete entries or the key (the host then
+//! recompiles, or refuses a key it did not make). The directory must stay
+//! writable only by the host's user, and no component may be granted a
+//! directory that contains it.
+
+mod key;
+#[cfg(test)]
+mod tests;
 
 use std::hash::{Hash, Hasher};
-use std::io::Write;
+use std::io::{ErrorKind, Read, Write};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
+use hmac::{Hmac, Mac};
 use sha2::{Digest, Sha256};
 use wasmtime::component::Component;
 use wasmtime::Engine;
+
+use key::CacheKey;
 
 /// How a component came to be ready.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -23,9 +57,23 @@ pub enum CacheOutcome {
     Hit,
     /// Compiled now and written to the cache.
     Compiled,
+    /// The cache's entry was refused (tampered with, truncated, not sealed
+    /// by this cache's key, or unusable), so it was compiled now from its
+    /// wasm and the entry rewritten. The refused entry never ran.
+    Recompiled,
     /// Compiled now; no cache is configured (or writing to it failed).
     CompiledUncached,
 }
+
+/// The first bytes of every sealed entry (a version: a new format gets a
+/// new magic, and older entries are refused and rewritten).
+const MAGIC: &[u8; 8] = b"dexaCW01";
+/// The HMAC-SHA256 tag's length.
+const TAG_BYTES: usize = 32;
+/// Separates this use of the key from any other.
+const DOMAIN: &[u8] = b"dexa component cache entry v1\0";
+/// The largest entry the cache reads; a bigger file is refused unread.
+const MAX_ENTRY_BYTES: u64 = 1 << 30;
 
 /// Feeds a `Hash` impl into SHA-256, giving a digest that is stable across
 /// processes (unlike `DefaultHasher`).
@@ -52,23 +100,76 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
 pub(crate) struct ArtifactCache {
     dir: PathBuf,
     engine_key: String,
+    key: CacheKey,
 }
 
 impl ArtifactCache {
+    /// Opens (creating, mode 0700) the cache directory and reads its key,
+    /// making one if there is none. A key file that is not this user's
+    /// private 32-byte file is an error (see [`key`]).
     pub(crate) fn open(dir: PathBuf, engine: &Engine) -> anyhow::Result<Self> {
-        std::fs::create_dir_all(&dir).map_err(|err| {
-            anyhow::anyhow!("cannot create component cache {}: {err}", dir.display())
-        })?;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&dir)
+            .map_err(|err| {
+                anyhow::anyhow!("cannot create component cache {}: {err}", dir.display())
+            })?;
+        let key = key::load_or_create(&dir)?;
         let mut hasher = Sha256Hasher(Sha256::new());
         engine.precompile_compatibility_hash().hash(&mut hasher);
         env!("CARGO_PKG_VERSION").hash(&mut hasher);
         let engine_key = hex::encode(&hasher.0.finalize()[..8]);
-        Ok(Self { dir, engine_key })
+        Ok(Self {
+            dir,
+            engine_key,
+            key,
+        })
     }
 
-    fn entry_path(&self, component_sha256: &str) -> PathBuf {
-        self.dir
-            .join(format!("{component_sha256}-{}.cwasm", self.engine_key))
+    fn entry_name(&self, component_sha256: &str) -> String {
+        format!("{component_sha256}-{}.cwasm", self.engine_key)
+    }
+
+    /// The tag of `artifact` stored under `entry_name`.
+    fn mac(&self, entry_name: &str, artifact: &[u8]) -> Hmac<Sha256> {
+        // HMAC takes a key of any length; ours is always 32 bytes.
+        let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(&self.key.0)
+            .unwrap_or_else(|_| unreachable!("HMAC accepts any key length"));
+        mac.update(DOMAIN);
+        mac.update(entry_name.as_bytes());
+        mac.update(&[0]);
+        mac.update(artifact);
+        mac
+    }
+
+    /// `artifact` as an entry file's bytes.
+    fn seal(&self, entry_name: &str, artifact: &[u8]) -> Vec<u8> {
+        let tag = self.mac(entry_name, artifact).finalize().into_bytes();
+        let mut entry = Vec::with_capacity(MAGIC.len() + TAG_BYTES + artifact.len());
+        entry.extend_from_slice(MAGIC);
+        entry.extend_from_slice(&tag);
+        entry.extend_from_slice(artifact);
+        entry
+    }
+
+    /// The artifact inside an entry file's bytes, if its tag is right.
+    fn unseal<'a>(&self, entry_name: &str, entry: &'a [u8]) -> Result<&'a [u8], String> {
+        let rest = entry
+            .strip_prefix(MAGIC.as_slice())
+            .ok_or("it has no dexa header (written before entries were sealed, or not an entry)")?;
+        if rest.len() < TAG_BYTES {
+            return Err("it is truncated".to_string());
+        }
+        let (tag, artifact) = rest.split_at(TAG_BYTES);
+        // verify_slice compares in constant time.
+        self.mac(entry_name, artifact)
+            .verify_slice(tag)
+            .map_err(|_| {
+                "its tag does not match (tampered with, truncated, or not sealed by this \
+                 cache's key for this name)"
+            })?;
+        Ok(artifact)
     }
 
     /// Loads the compiled component from the cache, or compiles and stores it.
@@ -79,25 +180,39 @@ impl ArtifactCache {
         sha256: &str,
         wasm: &[u8],
     ) -> Result<(Component, CacheOutcome), String> {
-        let path = self.entry_path(sha256);
-        if let Ok(artifact) = std::fs::read(&path) {
-            // Read into memory rather than mapping the file: a mapped entry
-            // that someone truncates would crash the host with SIGBUS.
-            // SAFETY: the entry was written by `Component::serialize` of an
-            // engine with the same compatibility key (it is in the file name),
-            // and the cache directory is trusted (module docs).
-            match unsafe { Component::deserialize(engine, &artifact) } {
-                Ok(component) => return Ok((component, CacheOutcome::Hit)),
-                Err(err) => tracing::warn!(
-                    component = name,
-                    path = %path.display(),
-                    error = %err,
-                    "cached component is unusable; recompiling"
-                ),
+        let entry_name = self.entry_name(sha256);
+        let path = self.dir.join(&entry_name);
+        let mut refused = false;
+        match read_entry(&path) {
+            Ok(None) => {}
+            Ok(Some(entry)) => {
+                let loaded = self.unseal(&entry_name, &entry).and_then(|artifact| {
+                    // SAFETY: the bytes carry this cache's tag over this
+                    // entry's name, so they are what `Component::serialize`
+                    // wrote for this component with an engine of the same
+                    // compatibility key (module docs: the key's limits).
+                    // They are in memory, not mapped from the file, so
+                    // nobody can change them after the check (or truncate
+                    // a mapping under the host, which would be SIGBUS).
+                    unsafe { Component::deserialize(engine, artifact) }
+                        .map_err(|err| format!("wasmtime cannot load it: {err}"))
+                });
+                match loaded {
+                    Ok(component) => return Ok((component, CacheOutcome::Hit)),
+                    Err(reason) => {
+                        refused = true;
+                        refuse(name, &path, &reason);
+                    }
+                }
+            }
+            Err(reason) => {
+                refused = true;
+                refuse(name, &path, &reason);
             }
         }
         let component = compile(engine, name, wasm)?;
-        match self.store(&path, &component) {
+        match self.store(&path, &entry_name, &component) {
+            Ok(()) if refused => Ok((component, CacheOutcome::Recompiled)),
             Ok(()) => Ok((component, CacheOutcome::Compiled)),
             Err(err) => {
                 tracing::warn!(
@@ -112,14 +227,69 @@ impl ArtifactCache {
     }
 
     /// Writes atomically, so that concurrent workers never read half a file.
-    fn store(&self, path: &Path, component: &Component) -> anyhow::Result<()> {
-        let bytes = component.serialize().map_err(anyhow::Error::from)?;
+    fn store(&self, path: &Path, entry_name: &str, component: &Component) -> anyhow::Result<()> {
+        let artifact = component.serialize().map_err(anyhow::Error::from)?;
+        let entry = self.seal(entry_name, &artifact);
+        drop(artifact);
+        // A private (0600) temporary file, renamed over whatever is at
+        // `path`: a symlink there is replaced, not followed.
         let mut file = tempfile::NamedTempFile::new_in(&self.dir)?;
-        file.write_all(&bytes)?;
+        file.write_all(&entry)?;
         file.as_file().sync_all()?;
         file.persist(path)?;
         Ok(())
     }
+}
+
+/// Warns that the entry at `path` is refused, and removes it.
+fn refuse(component: &str, path: &Path, reason: &str) {
+    tracing::warn!(
+        component,
+        path = %path.display(),
+        reason,
+        "refused a cached component: it will not run; recompiling it from its wasm"
+    );
+    // Unlinks the entry itself (a symlink, not its target). If this fails,
+    // the rewrite that follows replaces it.
+    let _ = std::fs::remove_file(path);
+}
+
+/// The bytes of the entry at `path`; `None` if there is none. An entry
+/// that is not a regular file, or is larger than [`MAX_ENTRY_BYTES`], is
+/// an error and is not read.
+fn read_entry(path: &Path) -> Result<Option<Vec<u8>>, String> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        // A symlink is not followed and a FIFO does not block.
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path);
+    let mut file = match file {
+        Ok(file) => file,
+        Err(err) if err.kind() == ErrorKind::NotFound => return Ok(None),
+        Err(err) if err.raw_os_error() == Some(libc::ELOOP) => {
+            return Err("it is a symbolic link".to_string())
+        }
+        Err(err) => return Err(format!("cannot open it: {err}")),
+    };
+    let meta = file
+        .metadata()
+        .map_err(|err| format!("cannot stat it: {err}"))?;
+    if !meta.file_type().is_file() {
+        return Err("it is not a regular file".to_string());
+    }
+    if meta.len() > MAX_ENTRY_BYTES {
+        return Err(format!("it is over {MAX_ENTRY_BYTES} bytes"));
+    }
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    // `take`: the file may grow after the stat.
+    (&mut file)
+        .take(MAX_ENTRY_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|err| format!("cannot read it: {err}"))?;
+    if bytes.len() as u64 > MAX_ENTRY_BYTES {
+        return Err(format!("it is over {MAX_ENTRY_BYTES} bytes"));
+    }
+    Ok(Some(bytes))
 }
 
 pub(crate) fn compile(engine: &Engine, name: &str, wasm: &[u8]) -> Result<Component, String> {

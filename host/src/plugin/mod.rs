@@ -29,8 +29,9 @@ pub use component::{ComponentInfo, ComponentSettings, RunnerComponent, ToolCompo
 pub use engine::{SandboxConfig, SandboxEngine};
 pub use error::{CallError, LoadError};
 pub use factors::events::{EventSink, EventWriter, GuestEvent, TaggedEvent, EVENT_ENVELOPE_BYTES};
-pub use factors::model::{ModelProvider, ScriptedModelProvider};
+pub use factors::model::ModelProvider;
 pub use factors::policy::{NoPolicies, ToolPolicyResolver};
+pub use factors::scripted_model::{MessageSummary, RequestSummary, ScriptedModelProvider};
 pub use factors::step::{HeartbeatSink, StepTag};
 pub use grants::{DirAccess, DirGrant, Grants, HttpAuthority};
 pub use limits::ComponentLimits;

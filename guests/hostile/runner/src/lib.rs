@@ -3,11 +3,11 @@
 
 use std::hint::black_box;
 
-use dex::agents::events;
 use dex::agents::types::{
-    DeferredToolCall, MessageRole, ToolCallStatus, ToolCallsRequested, ToolEffect, ToolPolicy,
-    TurnCompleted, Usage,
+    DeferredToolCall, MessageRole, ModelMessage, ModelRequest, ToolCallStatus, ToolCallsRequested,
+    ToolEffect, ToolPolicy, TurnCompleted, Usage,
 };
+use dex::agents::{events, model};
 
 wit_bindgen::generate!({ path: "../../../wit", world: "dex:agents/runner" });
 
@@ -114,6 +114,26 @@ impl Guest for HostileRunner {
             .find(|m| m.role == MessageRole::User)
             .map(|m| m.framework_item.clone())
             .unwrap_or_default();
+        // `big-model-request N` sends the model one request of N MiB: the
+        // host's provider must not keep it after answering.
+        if let Some(mib) = attack.strip_prefix("big-model-request ") {
+            let mib: usize = mib.trim().parse().unwrap_or(1);
+            let request = ModelRequest {
+                messages: vec![ModelMessage {
+                    role: MessageRole::User,
+                    content: Some("m".repeat(mib << 20)),
+                    tool_calls: Vec::new(),
+                    tool_call_id: None,
+                }],
+                tools: Vec::new(),
+                temperature: None,
+                max_output_tokens: None,
+            };
+            let answer = model::complete(&request)
+                .map(|r| r.message.content.unwrap_or_default())
+                .unwrap_or_else(|err| format!("{err:?}"));
+            return completed(format!("sent {mib} MiB: {answer}"));
+        }
         // `tool NAME {json}` calls hostile-tool's NAME with those arguments.
         if let Some(rest) = attack.strip_prefix("tool ") {
             let (name, arguments) = rest.split_once(' ').unwrap_or((rest, "{}"));

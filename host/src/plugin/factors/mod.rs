@@ -7,4 +7,5 @@ pub mod events;
 pub mod http;
 pub mod model;
 pub mod policy;
+pub mod scripted_model;
 pub mod step;
