@@ -8,8 +8,8 @@ use std::path::PathBuf;
 use crate::{guests_dir, repo_root};
 
 /// Assembles `guests/hostile/wat/<name>.wat` and returns the component's
-/// path. Written through a temporary file, so tests that ask at once never
-/// see half a file.
+/// path. Written through a temporary file of its own, so tests that ask at
+/// once never see half a file.
 pub fn wat_component(name: &str) -> PathBuf {
     let source = repo_root()
         .join("guests/hostile/wat")
@@ -19,8 +19,11 @@ pub fn wat_component(name: &str) -> PathBuf {
     let dir = guests_dir();
     std::fs::create_dir_all(&dir).unwrap_or_else(|err| panic!("{}: {err}", dir.display()));
     let path = dir.join(format!("wat-{name}.wasm"));
-    let temp = dir.join(format!("wat-{name}.wasm.{}", std::process::id()));
-    std::fs::write(&temp, &bytes).unwrap_or_else(|err| panic!("{}: {err}", temp.display()));
-    std::fs::rename(&temp, &path).unwrap_or_else(|err| panic!("{}: {err}", path.display()));
+    let mut temp = tempfile::NamedTempFile::new_in(&dir)
+        .unwrap_or_else(|err| panic!("temp file in {}: {err}", dir.display()));
+    std::io::Write::write_all(&mut temp, &bytes)
+        .unwrap_or_else(|err| panic!("{}: {err}", temp.path().display()));
+    temp.persist(&path)
+        .unwrap_or_else(|err| panic!("{}: {err}", path.display()));
     path
 }

@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use crate::plugin::grant_paths::check_state_paths;
+use crate::plugin::grant_paths::{check_state_paths, StatePaths};
 use crate::plugin::wit::{
     DeferredToolExecution, ToolCallRecord, ToolCallStatus, ToolEffect, ToolPolicy,
 };
@@ -206,14 +206,14 @@ async fn call(args: CallArgs) -> anyhow::Result<()> {
     }
     // Never the directory that holds dexa's own state (the store, the API
     // token, compiled native code) or anything inside the cache.
-    let state = [PathBuf::from(".dexa"), args.engine.cache_dir.clone()];
-    check_state_paths(
-        &component_name(&args.path),
-        &grants.dirs,
-        &state,
-        Some(&args.engine.cache_dir),
-    )
-    .map_err(anyhow::Error::msg)?;
+    grants.resolve().map_err(anyhow::Error::msg)?;
+    let state = StatePaths {
+        state: vec![PathBuf::from(".dexa"), args.engine.cache_dir.clone()],
+        code: vec![args.path.clone()],
+        cache_dir: Some(args.engine.cache_dir.clone()),
+    };
+    check_state_paths(&component_name(&args.path), &grants.dirs, &state)
+        .map_err(anyhow::Error::msg)?;
     let mut config = BTreeMap::new();
     for pair in &args.config {
         let (key, value) = pair

@@ -53,6 +53,11 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     if config.agents.is_empty() {
         anyhow::bail!(config.error("there are no [agents.NAME] sections, so no work to do"));
     }
+    // Files and sockets a tool is granted are real descriptors; a guest's
+    // handles are capped per call (limits.host_handles), not per process.
+    if let Err(err) = crate::api::limits::raise_fd_limit() {
+        tracing::warn!(error = %err, "cannot raise the open-file limit");
+    }
     let deployment = Deployment::for_workers(config, &print_progress).await?;
     let mut options = deployment.config.worker.options();
     if let Some(slots) = args.slots {

@@ -66,11 +66,11 @@ impl Deployment {
                     .any(|a| a.runner == c.name || a.tools.contains(&c.name))
             })
             .collect();
-        let all_settings = used
+        let mut all_settings = used
             .iter()
             .map(|component| settings(&config, component))
             .collect::<anyhow::Result<Vec<_>>>()?;
-        super::grant_layout::check(&config, &all_settings)?;
+        super::grant_layout::resolve_and_check(&config, &mut all_settings)?;
         let mut runners: BTreeMap<String, Arc<RunnerComponent>> = BTreeMap::new();
         let mut tools: BTreeMap<String, Arc<ToolComponent>> = BTreeMap::new();
         for (index, (component, settings)) in used.iter().zip(all_settings).enumerate() {

@@ -1,58 +1,71 @@
-//! The directory grants of all the components a worker loads, checked
-//! together: no component may be able to change what another sees, and none
-//! may reach dexa's own state (see [`crate::plugin::grant_paths`]).
+//! The directory grants of all the components a worker loads, resolved once
+//! and checked together: no component may be able to change what another
+//! sees, and none may reach dexa's own state (see
+//! [`crate::plugin::grant_paths`]).
 
 use std::path::PathBuf;
 
-use super::{DexaConfig, StoreUrl};
-use crate::plugin::grant_paths::{canonical_root, check_overlaps, check_state_paths, GrantSet};
+use super::{DexaConfig, ModelConfig, StoreUrl};
+use crate::plugin::grant_paths::{
+    check_overlaps, check_state_paths, resolve_root, GrantSet, StatePaths,
+};
 use crate::plugin::ComponentSettings;
 
-/// Refuses overlapping grants (unless both are `shared`) and grants that
-/// hold the store, the API token, the `.dexa` directory or the artifact
-/// cache. Runs after the `create = true` directories exist.
-pub(super) fn check(config: &DexaConfig, all: &[ComponentSettings]) -> anyhow::Result<()> {
-    let mut canonical = Vec::with_capacity(all.len());
-    let mut configured = Vec::with_capacity(all.len());
-    for settings in all {
-        let mut dirs = settings.grants.dirs.clone();
-        for grant in &mut dirs {
-            grant.host_path = canonical_root(grant)
+/// Resolves every grant of `all` to its canonical root (marking it
+/// `resolved`, so that loading does not follow a symlink again), then
+/// refuses the layouts [`check_overlaps`] and [`check_state_paths`] refuse.
+/// Runs after the `create = true` directories exist.
+pub(super) fn resolve_and_check(
+    config: &DexaConfig,
+    all: &mut [ComponentSettings],
+) -> anyhow::Result<()> {
+    let mut links = Vec::with_capacity(all.len());
+    for settings in all.iter_mut() {
+        let mut component_links = Vec::with_capacity(settings.grants.dirs.len());
+        for grant in &mut settings.grants.dirs {
+            let resolved = resolve_root(&grant.host_path)
                 .map_err(|err| config.error(format!("component {:?}: {err}", settings.name)))?;
+            grant.host_path = resolved.root;
+            grant.resolved = true;
+            component_links.push(resolved.links);
         }
-        configured.push(
-            settings
-                .grants
-                .dirs
-                .iter()
-                .map(|grant| grant.host_path.clone())
-                .collect::<Vec<_>>(),
-        );
-        canonical.push(dirs);
+        links.push(component_links);
     }
     let sets: Vec<GrantSet<'_>> = all
         .iter()
-        .zip(&canonical)
-        .map(|(settings, dirs)| GrantSet {
+        .zip(&links)
+        .map(|(settings, links)| GrantSet {
             component: &settings.name,
-            dirs,
+            dirs: &settings.grants.dirs,
+            links,
         })
         .collect();
-    check_overlaps(&sets, &configured).map_err(|err| config.error(err))?;
-    let state = state_paths(config);
+    check_overlaps(&sets).map_err(|err| config.error(err))?;
+    let paths = state_paths(config);
     for set in &sets {
-        check_state_paths(set.component, set.dirs, &state, Some(&config.cache_dir))
-            .map_err(|err| config.error(err))?;
+        check_state_paths(set.component, set.dirs, &paths).map_err(|err| config.error(err))?;
     }
     Ok(())
 }
 
-/// What dexa keeps for itself next to the config: the `.dexa` directory
-/// (the generated API token lives there), the store and the cache.
-fn state_paths(config: &DexaConfig) -> Vec<PathBuf> {
-    let mut paths = vec![config.local_dir(), config.cache_dir.clone()];
+/// What dexa keeps for itself: the `.dexa` directory next to the config
+/// (the generated API token lives there), the store and the cache; and the
+/// code it runs: every component's file, the config, scripted answers.
+fn state_paths(config: &DexaConfig) -> StatePaths {
+    let mut state = vec![config.local_dir(), config.cache_dir.clone()];
     match &config.store {
-        StoreUrl::Sqlite(path, _) => paths.push(path.clone()),
+        StoreUrl::Sqlite(path, _) => state.push(path.clone()),
     }
-    paths
+    let mut code: Vec<PathBuf> = config.components.values().map(|c| c.path.clone()).collect();
+    code.push(config.file.clone());
+    for model in config.models.values() {
+        if let ModelConfig::Scripted { responses, .. } = model {
+            code.push(responses.clone());
+        }
+    }
+    StatePaths {
+        state,
+        code,
+        cache_dir: Some(config.cache_dir.clone()),
+    }
 }

@@ -452,6 +452,7 @@ impl DexaConfig {
                     guest_path: grant.guest.clone(),
                     access: grant.access,
                     shared: grant.shared,
+                    resolved: false,
                 });
             }
             for var in &raw_component.env {

@@ -19,7 +19,7 @@ use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::sockets::SocketAddrUse;
 use wasmtime_wasi::{FsPerms, WasiCtx, WasiCtxBuilder};
 
-use super::grant_paths::{canonical_root, handle_path, open_root_no_follow};
+use super::grant_paths::{handle_path, open_root_no_follow, resolve_root};
 
 /// Whether a granted directory may be changed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -39,6 +39,9 @@ pub struct DirGrant {
     /// The operator allows this grant to overlap other components' grants
     /// (see [`super::grant_paths::check_overlaps`]).
     pub shared: bool,
+    /// `host_path` is already resolved and checked (by the deployment's
+    /// layout check): loading verifies it without following symlinks again.
+    pub resolved: bool,
 }
 
 /// Everything a component may reach beyond its own memory.
@@ -126,6 +129,7 @@ impl Grants {
             guest_path: guest_path.into(),
             access,
             shared: false,
+            resolved: false,
         });
         self
     }
@@ -182,11 +186,17 @@ impl Grants {
 
     /// [`Self::validate`], then resolves each granted directory to its
     /// canonical path: the symlinks in the configured path are followed now,
-    /// at load, and never again.
+    /// at load, and never again. A grant already `resolved` is only checked
+    /// to open without following any symlink.
     pub fn resolve(&mut self) -> Result<(), String> {
         self.validate()?;
         for grant in &mut self.dirs {
-            grant.host_path = canonical_root(grant)?;
+            if grant.resolved {
+                open_root_no_follow(&grant.host_path)?;
+            } else {
+                grant.host_path = resolve_root(&grant.host_path)?.root;
+                grant.resolved = true;
+            }
         }
         Ok(())
     }
