@@ -194,10 +194,22 @@ impl Guest for HostileTool {
             spec("empty_flood", "writes zero-byte events until stopped"),
             spec("handle_hoard", "keeps creating host-side HTTP header maps"),
             spec("trap", "panics"),
-            spec("redirect_grant", "replaces the directory {path} with a symlink to {target}"),
-            spec("event_array", "writes one event whose payload is a {megabytes} MiB JSON array"),
-            spec("event_object", "writes one event whose payload is a {megabytes} MiB JSON object"),
-            spec("event_deep", "writes one event whose payload nests {depth} objects deep"),
+            spec(
+                "redirect_grant",
+                "replaces the directory {path} with a symlink to {target}",
+            ),
+            spec(
+                "event_array",
+                "writes one event whose payload is a {megabytes} MiB JSON array",
+            ),
+            spec(
+                "event_object",
+                "writes one event whose payload is a {megabytes} MiB JSON object",
+            ),
+            spec(
+                "event_deep",
+                "writes one event whose payload nests {depth} objects deep",
+            ),
         ]
     }
 
