@@ -219,7 +219,21 @@ pub async fn wait_for_agent_snapshot<T>(
     description: &str,
     accept: impl Fn(&AgentSnapshot) -> Option<T>,
 ) -> T {
-    wait_until(description, Duration::from_secs(20), || {
+    wait_for_agent_snapshot_within(sessions, session_id, description, WAIT, accept).await
+}
+
+/// How long the waits above poll before they fail the test.
+const WAIT: Duration = Duration::from_secs(20);
+
+/// [`wait_for_agent_snapshot`] with its own bound on the wait.
+pub async fn wait_for_agent_snapshot_within<T>(
+    sessions: &AgentSessionClient,
+    session_id: &str,
+    description: &str,
+    deadline: Duration,
+    accept: impl Fn(&AgentSnapshot) -> Option<T>,
+) -> T {
+    wait_until(description, deadline, || {
         let sessions = sessions.clone();
         let accept = &accept;
         async move {
@@ -237,10 +251,21 @@ pub async fn wait_for_turns(
     session_id: &str,
     turns: u64,
 ) -> AgentSnapshot {
-    wait_for_agent_snapshot(
+    wait_for_turns_within(sessions, session_id, turns, WAIT).await
+}
+
+/// [`wait_for_turns`] with its own bound on the wait.
+pub async fn wait_for_turns_within(
+    sessions: &AgentSessionClient,
+    session_id: &str,
+    turns: u64,
+    deadline: Duration,
+) -> AgentSnapshot {
+    wait_for_agent_snapshot_within(
         sessions,
         session_id,
         &format!("{turns} finished turn(s)"),
+        deadline,
         |s| {
             let state = s.state.as_ref()?;
             (state.turn_count >= turns

@@ -123,9 +123,15 @@ async fn each_tool_attack_fails_only_its_own_call_with_a_readable_recorded_error
     // RecordToolFailure, each attempt's error in the history.
     let history = stack.read_step_history("t0").await;
     assert_three_failed_attempts_then(&history, step::CALL_TOOL, step::RECORD_TOOL_FAILURE);
+    // The sandbox's deadline stops the spin; on a machine so loaded that
+    // the guest thread is not even scheduled in time, the Step's own attempt
+    // timeout (the deadline plus a grace) does: either way, the deadline.
     for entry in history.iter().filter(|e| e.step_type == step::CALL_TOOL) {
         let detail = entry.detail.as_deref().unwrap_or_default();
-        assert!(detail.contains("`call` ran past its deadline"), "{detail}");
+        assert!(
+            detail.contains("`call` ran past its deadline") || detail.contains("attempt timed out"),
+            "{detail}"
+        );
     }
 
     // The worker that ran every attack is still serving.

@@ -57,12 +57,12 @@ path = "{py_runner}"
 [agents.PyAttacks]
 runner = "scripted-runner"
 tools = ["py-hostile-tool"]
-tool_attempt_timeout = "30s"
+tool_attempt_timeout = "120s"
 
 [agents.JsAttacks]
 runner = "scripted-runner"
 tools = ["js-hostile-tool"]
-tool_attempt_timeout = "30s"
+tool_attempt_timeout = "120s"
 
 [agents.PySpin]
 runner = "scripted-runner"
@@ -76,7 +76,7 @@ tool_attempt_timeout = "2s"
 
 [agents.PyRunnerAttacks]
 runner = "py-hostile-runner"
-model_step_timeout = "60s"
+model_step_timeout = "120s"
 
 [agents.PyRunnerSpin]
 runner = "py-hostile-runner"
