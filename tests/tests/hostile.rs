@@ -245,18 +245,7 @@ async fn a_tool_whose_list_tools_traps_is_refused_at_load_by_name() {
         )
     });
     let worker = stack.start_worker_with_env(&[], &WORKER_ENV);
-    let status = tokio::time::timeout(Duration::from_secs(60), async {
-        loop {
-            if let Some(status) = stack.worker(worker).exit_status() {
-                return status;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await
-    .expect("the worker should refuse to start");
-    assert!(!status.success());
-    let log = stack.worker_log(worker);
+    let log = refused_start_log(&mut stack, worker).await;
     assert!(
         log.contains("component `hostile-tool`: `list-tools` failed at load")
             && log.contains("hostile list-tools traps on purpose"),

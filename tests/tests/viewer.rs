@@ -79,6 +79,18 @@ async fn browser(driver: &Driver) -> Client {
 }
 
 /// Waits (up to 30 s) until the script returns a truthy value; returns it.
+/// Opens the viewer at `base` with the test token in its storage.
+async fn open_viewer(client: &Client, base: &str) -> Result<(), fantoccini::error::CmdError> {
+    client.goto(&format!("{base}/")).await?;
+    client
+        .execute(
+            "localStorage.setItem('dexa-token', arguments[0]); location.reload(); return true;",
+            vec![json!(TEST_TOKEN)],
+        )
+        .await?;
+    Ok(())
+}
+
 async fn wait_for_js(client: &Client, description: &str, script: &str) -> serde_json::Value {
     for _ in 0..600 {
         if let Ok(value) = client.execute(script, vec![]).await {
@@ -110,13 +122,7 @@ async fn the_viewer_starts_a_session_shows_live_text_and_approves_a_tool_call() 
     let driver = start_driver().await;
     let client = browser(&driver).await;
     let result = async {
-        client.goto(&format!("{}/", server.base)).await?;
-        client
-            .execute(
-                "localStorage.setItem('dexa-token', arguments[0]); location.reload(); return true;",
-                vec![json!(TEST_TOKEN)],
-            )
-            .await?;
+        open_viewer(&client, &server.base).await?;
         let message = client.wait().for_element(Locator::Id("start-message")).await?;
         message.send_keys("Pay invoice 7").await?;
         client.find(Locator::Id("start-button")).await?.click().await?;
@@ -263,13 +269,7 @@ async fn hostile_markup_in_every_field_renders_as_text_and_never_runs_in_the_vie
     let driver = start_driver().await;
     let client = browser(&driver).await;
     let result = async {
-        client.goto(&format!("{}/", server.base)).await?;
-        client
-            .execute(
-                "localStorage.setItem('dexa-token', arguments[0]); location.reload(); return true;",
-                vec![json!(TEST_TOKEN)],
-            )
-            .await?;
+        open_viewer(&client, &server.base).await?;
         // The list: the session id is a link's text, and its href stays a
         // fragment of this page.
         let link = wait_for_js(

@@ -113,6 +113,17 @@ impl CallLimiter {
     }
 }
 
+/// The running `sum` after one memory or table grows from `current` to
+/// `desired`: `Ok` within `limit`, `Err` with the sum it would have been.
+fn add_within(sum: usize, current: usize, desired: usize, limit: usize) -> Result<usize, usize> {
+    let total = sum.saturating_add(desired.saturating_sub(current));
+    if total > limit {
+        Err(total)
+    } else {
+        Ok(total)
+    }
+}
+
 // wasmtime asks before each memory or table is created (from 0 to its
 // initial size) and before each growth, so the running sums see every byte.
 // A growth the engine refuses after the limiter allowed it (past a declared
@@ -125,18 +136,22 @@ impl ResourceLimiter for CallLimiter {
         desired: usize,
         _maximum: Option<usize>,
     ) -> wasmtime::Result<bool> {
-        let total = self
-            .memory_bytes
-            .saturating_add(desired.saturating_sub(current));
-        if total > self.limits.memory_bytes {
-            return self.refuse(format!(
+        match add_within(
+            self.memory_bytes,
+            current,
+            desired,
+            self.limits.memory_bytes,
+        ) {
+            Ok(total) => {
+                self.memory_bytes = total;
+                Ok(true)
+            }
+            Err(total) => self.refuse(format!(
                 "linear memory would grow to {total} bytes across the instance's memories, \
                  over the limit of {} bytes",
                 self.limits.memory_bytes
-            ));
+            )),
         }
-        self.memory_bytes = total;
-        Ok(true)
     }
 
     fn table_growing(
@@ -145,18 +160,22 @@ impl ResourceLimiter for CallLimiter {
         desired: usize,
         _maximum: Option<usize>,
     ) -> wasmtime::Result<bool> {
-        let total = self
-            .table_elements
-            .saturating_add(desired.saturating_sub(current));
-        if total > self.limits.table_elements {
-            return self.refuse(format!(
+        match add_within(
+            self.table_elements,
+            current,
+            desired,
+            self.limits.table_elements,
+        ) {
+            Ok(total) => {
+                self.table_elements = total;
+                Ok(true)
+            }
+            Err(total) => self.refuse(format!(
                 "tables would grow to {total} elements across the instance's tables, \
                  over the limit of {}",
                 self.limits.table_elements
-            ));
+            )),
         }
-        self.table_elements = total;
-        Ok(true)
     }
 
     fn instances(&self) -> usize {
