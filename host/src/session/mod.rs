@@ -10,19 +10,22 @@
 //! one transaction (the spec's SYNC durability; the engine has no other kind).
 
 mod client;
+mod components;
 mod events;
 mod flow;
 pub mod limits;
+mod options;
 pub mod policy;
 pub mod records;
 mod steps;
 
 pub use client::{new_session_id, AgentSessionClient, SessionError};
 pub use events::BACKGROUND_HEARTBEAT;
+pub use components::{AgentComponents, AgentConfigError};
 pub use flow::{
-    AgentComponents, AgentConfigError, AgentSessionFlow, AgentSessionOptions,
-    RUN_MODEL_HEARTBEAT_TIMEOUT, RUN_MODEL_TIMEOUT, RUN_MODEL_WINDOW,
+    AgentSessionFlow, RUN_MODEL_HEARTBEAT_TIMEOUT, RUN_MODEL_TIMEOUT, RUN_MODEL_WINDOW,
 };
+pub use options::AgentSessionOptions;
 pub use limits::TurnLimits;
 pub use policy::{ToolPolicies, ToolPolicyOverride};
 pub use records::*;

@@ -12,7 +12,8 @@ use serde::Serialize;
 use serde_json::json;
 
 use super::events::{session_event, BackgroundHeartbeat, StepEvents, StepHeartbeats};
-use super::flow::{AgentComponents, AgentSessionOptions};
+use super::components::AgentComponents;
+use super::options::AgentSessionOptions;
 use super::limits::{
     cut, output_share, ERROR_TEXT_BYTES, NOTE_ARGUMENTS_BYTES, NOTE_BYTES, NOTE_OUTCOME_BYTES,
 };
