@@ -3,6 +3,8 @@
 //!
 //! Layers, each depending only on those listed before it:
 //! - [`flow`]: the generic durable Flow engine and its storage trait;
+//! - [`catalog`]: the component catalog (versions by digest, the activation
+//!   log) and its storage trait;
 //! - [`store`]: the storage backends (embedded SQLite);
 //! - [`plugin`]: the wasmtime layer (engine, cache, sandboxed calls, grants);
 //! - [`providers`]: the model providers behind `model.complete` (OpenAI-compatible);
@@ -13,6 +15,7 @@
 //! - [`cli`]: the `dexa` command line.
 
 pub mod api;
+pub mod catalog;
 pub mod cli;
 pub mod config;
 pub mod flow;

@@ -14,6 +14,7 @@ pub mod measure;
 pub mod serve_process;
 pub mod session;
 pub mod toy;
+pub mod versions;
 pub mod wat;
 
 use std::path::PathBuf;

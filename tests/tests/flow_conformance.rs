@@ -561,6 +561,7 @@ async fn a_stale_workers_commit_is_refused(factory: &dyn StoreFactory) {
             at: now,
             detail: None,
             started_at: None,
+            component: None,
         },
     };
     let refused = stack.store.commit_step(commit(&a)).await;
@@ -831,6 +832,7 @@ async fn a_committed_entry_over_the_streams_capacity_does_not_refuse_the_commit(
                 at: now,
                 detail: None,
                 started_at: None,
+                component: None,
             },
         })
         .await
@@ -879,6 +881,7 @@ async fn claims_favour_flows_running_fewer_steps(factory: &dyn StoreFactory) {
         at: now,
         detail: None,
         started_at: None,
+        component: None,
     };
     // busy fans out into five Steps and runs one of them.
     stack

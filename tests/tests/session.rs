@@ -728,6 +728,8 @@ fn injected_record(id: &str, status: ToolCallStatus, order: u32) -> AgentToolCal
         rejection_message: None,
         deferral_order: order,
         output_limit: None,
+        component: None,
+        digest: None,
     }
 }
 
@@ -738,6 +740,7 @@ fn running_state() -> AgentState {
         active_turn_id: Some("turn-1".to_string()),
         message_count: 1,
         last_turn_error: None,
+        runner_digest: None,
     }
 }
 

@@ -6,6 +6,7 @@ pub mod chat;
 pub mod demo;
 pub mod serve;
 pub mod session;
+pub mod versions;
 pub mod worker;
 
 use std::collections::BTreeMap;
@@ -35,9 +36,13 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
-    /// Work with a single component: check it, list its tools, call it.
+    /// Work with a single component (inspect, call) and the component
+    /// catalog (add, list, gc).
     #[command(subcommand)]
     Component(ComponentCommand),
+    /// An agent's component versions: the activation log, activate, rollback.
+    #[command(subcommand)]
+    Agent(versions::AgentCommand),
     /// Run one session of the offline example agent (scripted runner, two
     /// tool components) on the embedded SQLite store.
     Demo(demo::DemoArgs),
@@ -70,6 +75,12 @@ pub enum ComponentCommand {
     Inspect(InspectArgs),
     /// Call one tool of a tool component in a fresh sandbox.
     Call(CallArgs),
+    /// Verify a component and add it to the catalog (by its SHA-256).
+    Add(versions::AddArgs),
+    /// The catalog's components.
+    List(versions::CatalogArgs),
+    /// Remove the versions that are neither active nor in use.
+    Gc(versions::GcArgs),
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug)]
@@ -155,6 +166,14 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Session(args) => session::run(args).await,
         Command::Component(ComponentCommand::Inspect(args)) => inspect(args).await,
         Command::Component(ComponentCommand::Call(args)) => call(args).await,
+        Command::Component(ComponentCommand::Add(args)) => versions::add(args).await,
+        Command::Component(ComponentCommand::List(args)) => versions::list(args).await,
+        Command::Component(ComponentCommand::Gc(args)) => versions::collect(args).await,
+        Command::Agent(versions::AgentCommand::Versions(args)) => versions::versions(args).await,
+        Command::Agent(versions::AgentCommand::Activate(args)) => {
+            versions::activate_command(args).await
+        }
+        Command::Agent(versions::AgentCommand::Rollback(args)) => versions::rollback(args).await,
         Command::Bench(BenchCommand::Engine(args)) => bench::run(args).await,
         Command::Bench(BenchCommand::Turn(args)) => bench_turn::run(args).await,
     }

@@ -8,15 +8,19 @@ use std::time::Instant;
 use anyhow::Context;
 use serde::Deserialize;
 
+use super::versions;
 use super::{ComponentConfig, ComponentRole, DexaConfig, ModelConfig, StoreUrl};
+use crate::catalog::{CatalogStore, CONFIG_ACTOR, RUNNER_ROLE};
 use crate::flow::{FlowClient, FlowStore, Registry, Worker, WorkerOptions};
 use crate::plugin::wit::{MessageRole, ModelMessage, ModelResponse, ModelToolCall, Usage};
 use crate::plugin::{
-    CacheOutcome, ComponentSettings, Grants, ModelProvider, RunnerComponent, SandboxConfig,
-    SandboxEngine, ScriptedModelProvider, ToolComponent,
+    CacheOutcome, ComponentSettings, Grants, LoadError, ModelProvider, RunnerComponent,
+    ScriptedModelProvider, ToolComponent,
 };
 use crate::providers::{OpenAiConfig, OpenAiProvider};
-use crate::session::{AgentComponents, AgentSessionClient, AgentSessionFlow};
+use crate::session::{
+    ActivationWatch, AgentComponents, AgentSessionClient, AgentSessionFlow, CatalogVersions,
+};
 use crate::store::sqlite::SqliteStore;
 
 /// What loading reports, so a first start that compiles shows progress.
@@ -39,6 +43,8 @@ pub enum LoadProgress {
 pub struct Deployment {
     pub config: DexaConfig,
     pub store: Arc<dyn FlowStore>,
+    /// The component catalog, in the same store.
+    pub catalog: Arc<dyn CatalogStore>,
     pub registry: Arc<Registry>,
 }
 
@@ -49,13 +55,8 @@ impl Deployment {
         config: DexaConfig,
         progress: &(dyn Fn(LoadProgress) + Sync),
     ) -> anyhow::Result<Self> {
-        let store = open_store(&config)?;
-        let engine = SandboxEngine::new(SandboxConfig {
-            cache_dir: Some(config.cache_dir.clone()),
-            // Metering slows every guest, so it is on only when asked for.
-            consume_fuel: config.components.values().any(|c| c.limits.fuel.is_some()),
-            ..SandboxConfig::default()
-        })?;
+        let (store, catalog) = open_store(&config)?;
+        let engine = versions::config_engine(&config)?;
         let used: Vec<&ComponentConfig> = config
             .components
             .values()
@@ -71,8 +72,13 @@ impl Deployment {
             .map(|component| settings(&config, component))
             .collect::<anyhow::Result<Vec<_>>>()?;
         super::grant_layout::resolve_and_check(&config, &mut all_settings)?;
-        let mut runners: BTreeMap<String, Arc<RunnerComponent>> = BTreeMap::new();
-        let mut tools: BTreeMap<String, Arc<ToolComponent>> = BTreeMap::new();
+        let by_name: BTreeMap<String, ComponentSettings> = used
+            .iter()
+            .zip(&all_settings)
+            .map(|(c, s)| (c.name.clone(), s.clone()))
+            .collect();
+        let mut runners: BTreeMap<String, (Arc<RunnerComponent>, Vec<u8>)> = BTreeMap::new();
+        let mut tools: BTreeMap<String, (Arc<ToolComponent>, Vec<u8>)> = BTreeMap::new();
         for (index, (component, settings)) in used.iter().zip(all_settings).enumerate() {
             progress(LoadProgress::Loading {
                 component: component.name.clone(),
@@ -80,22 +86,27 @@ impl Deployment {
                 total: used.len(),
             });
             let started = Instant::now();
+            let wasm = std::fs::read(&component.path).map_err(|source| LoadError::Read {
+                path: component.path.clone(),
+                source,
+            });
+            let wasm = wasm.with_context(|| format!("component {:?}", component.name))?;
             let cache = match component.role {
                 ComponentRole::Runner => {
                     let runner = engine
-                        .load_runner_file(&component.path, settings)
+                        .load_runner(&wasm, settings)
                         .with_context(|| format!("component {:?}", component.name))?;
                     let cache = runner.info().cache;
-                    runners.insert(component.name.clone(), Arc::new(runner));
+                    runners.insert(component.name.clone(), (Arc::new(runner), wasm));
                     cache
                 }
                 ComponentRole::Tool => {
                     let tool = engine
-                        .load_tool_file(&component.path, settings)
+                        .load_tool(&wasm, settings)
                         .await
                         .with_context(|| format!("component {:?}", component.name))?;
                     let cache = tool.info().cache;
-                    tools.insert(component.name.clone(), Arc::new(tool));
+                    tools.insert(component.name.clone(), (Arc::new(tool), wasm));
                     cache
                 }
             };
@@ -116,9 +127,11 @@ impl Deployment {
                 models.insert(name.clone(), model_provider(&config, name, model)?);
             }
         }
+        let loader = versions::loader(&config, engine, by_name);
+        let watch = Arc::new(ActivationWatch::new(catalog.clone()));
         let mut flows = Vec::new();
         for agent in config.agents.values() {
-            let runner = runners
+            let (runner, wasm) = runners
                 .get(&agent.runner)
                 .cloned()
                 .with_context(|| format!("agent {:?}: runner not loaded", agent.name))?;
@@ -131,8 +144,51 @@ impl Deployment {
                     })
                 })
                 .collect::<anyhow::Result<Vec<_>>>()?;
-            let mut components = AgentComponents::new(runner, agent_tools)
-                .map_err(|err| config.error(format!("agent {:?}: {err}", agent.name)))?;
+            // The files' tools must fit together, as before versions.
+            AgentComponents::new(
+                runner.clone(),
+                agent_tools.iter().map(|(t, _)| t.clone()).collect(),
+            )
+            .map_err(|err| config.error(format!("agent {:?}: {err}", agent.name)))?;
+            // dexa.toml's files join the catalog; a changed file is activated.
+            let path = config
+                .components
+                .get(&agent.runner)
+                .map(|c| c.path.clone())
+                .unwrap_or_default();
+            let record = versions::runner_record(&runner, wasm.len(), CONFIG_ACTOR);
+            versions::bootstrap_role(&*catalog, &agent.name, RUNNER_ROLE, record, wasm, &path)
+                .await
+                .with_context(|| format!("agent {:?}: recording its runner", agent.name))?;
+            for (name, (tool, wasm)) in agent.tools.iter().zip(&agent_tools) {
+                let path = config
+                    .components
+                    .get(name)
+                    .map(|c| c.path.clone())
+                    .unwrap_or_default();
+                let record = versions::tool_record(tool, wasm.len(), CONFIG_ACTOR);
+                versions::bootstrap_role(&*catalog, &agent.name, name, record, wasm.clone(), &path)
+                    .await
+                    .with_context(|| format!("agent {:?}: recording tool {name:?}", agent.name))?;
+            }
+            let agent_versions = Arc::new(CatalogVersions::new(
+                agent.name.clone(),
+                agent.tools.clone(),
+                watch.clone(),
+                catalog.clone(),
+                loader.clone(),
+            ));
+            agent_versions.preloaded_runner(runner);
+            for (name, (tool, _)) in agent.tools.iter().zip(agent_tools) {
+                agent_versions.preloaded_tool(name, tool);
+            }
+            // Versions activated explicitly (not the files) load now, so the
+            // first turn does not compile.
+            agent_versions
+                .preload()
+                .await
+                .map_err(|err| anyhow::anyhow!("agent {:?}: {err}", agent.name))?;
+            let mut components = AgentComponents::from_catalog(agent_versions);
             if let Some(model) = agent.model.as_ref().and_then(|m| models.get(m)) {
                 components = components.with_model(model.clone());
             }
@@ -142,24 +198,25 @@ impl Deployment {
                 agent.options.clone(),
             ));
         }
-        Self::assemble(config, store, &flows)
+        Self::assemble(config, store, catalog, &flows)
     }
 
     /// What a client needs: the store and the agents' flow types, with no
     /// component loaded (their Steps refuse to run here).
     pub fn for_clients(config: DexaConfig) -> anyhow::Result<Self> {
-        let store = open_store(&config)?;
+        let (store, catalog) = open_store(&config)?;
         let flows: Vec<AgentSessionFlow> = config
             .agents
             .values()
             .map(|agent| AgentSessionFlow::for_clients(agent.name.clone(), agent.options.clone()))
             .collect();
-        Self::assemble(config, store, &flows)
+        Self::assemble(config, store, catalog, &flows)
     }
 
     fn assemble(
         config: DexaConfig,
         store: Arc<dyn FlowStore>,
+        catalog: Arc<dyn CatalogStore>,
         flows: &[AgentSessionFlow],
     ) -> anyhow::Result<Self> {
         let registry = Arc::new(Registry::new(
@@ -168,6 +225,7 @@ impl Deployment {
         Ok(Self {
             config,
             store,
+            catalog,
             registry,
         })
     }
@@ -196,17 +254,23 @@ impl Deployment {
     }
 }
 
-fn open_store(config: &DexaConfig) -> anyhow::Result<Arc<dyn FlowStore>> {
+/// The store, as the engine's storage and as the component catalog.
+fn open_store(config: &DexaConfig) -> anyhow::Result<(Arc<dyn FlowStore>, Arc<dyn CatalogStore>)> {
     match &config.store {
         StoreUrl::Sqlite(path, options) => {
-            let store = SqliteStore::open(path, options.clone())
-                .with_context(|| format!("cannot open the SQLite store {}", path.display()))?;
-            Ok(Arc::new(store))
+            let store = Arc::new(
+                SqliteStore::open(path, options.clone())
+                    .with_context(|| format!("cannot open the SQLite store {}", path.display()))?,
+            );
+            Ok((store.clone(), store))
         }
     }
 }
 
-fn settings(config: &DexaConfig, component: &ComponentConfig) -> anyhow::Result<ComponentSettings> {
+pub(super) fn settings(
+    config: &DexaConfig,
+    component: &ComponentConfig,
+) -> anyhow::Result<ComponentSettings> {
     for dir in &component.create_dirs {
         std::fs::create_dir_all(dir).map_err(|err| {
             config.error(format!(

@@ -36,7 +36,9 @@
 //! Relative paths are relative to the directory of the config file.
 
 pub mod deploy;
+pub mod gc;
 mod grant_layout;
+pub mod versions;
 
 use std::collections::BTreeMap;
 use std::ops::Range;

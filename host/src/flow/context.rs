@@ -65,6 +65,8 @@ pub struct StepContext {
     task: Arc<ClaimedTask>,
     store: Arc<dyn FlowStore>,
     heartbeat: Heartbeat,
+    /// The version of the component the attempt ran, for its history entry.
+    component: Arc<Mutex<Option<String>>>,
 }
 
 impl StepContext {
@@ -77,7 +79,21 @@ impl StepContext {
             task,
             store,
             heartbeat,
+            component: Arc::new(Mutex::new(None)),
         }
+    }
+
+    /// Says which component version (digest) this attempt runs: its history
+    /// entry records it, whether the attempt commits or fails.
+    pub fn record_component(&self, digest: &str) {
+        if let Ok(mut ran) = self.component.lock() {
+            *ran = Some(digest.to_string());
+        }
+    }
+
+    /// What [`StepContext::record_component`] recorded.
+    pub fn component(&self) -> Option<String> {
+        self.component.lock().ok().and_then(|ran| ran.clone())
     }
 
     pub fn task(&self) -> &ClaimedTask {

@@ -115,5 +115,6 @@ pub(crate) fn entry(
         at: now,
         detail: Some(detail),
         started_at: Some(task.attempt_started_at),
+        component: None,
     }
 }

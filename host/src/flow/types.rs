@@ -378,6 +378,10 @@ pub struct StepHistoryEntry {
     /// was kept).
     #[serde(default)]
     pub started_at: Option<StoreMillis>,
+    /// The version (digest) of the component the attempt ran, when the
+    /// Step ran one and said which.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub component: Option<String>,
 }
 
 /// History event types.

@@ -12,7 +12,7 @@ use super::context::{Heartbeat, StepContext};
 use super::registry::{Registry, StepError};
 use super::retry::{self, AttemptError};
 use super::store::{AttemptFailure, ClaimNext, FlowStore, StepCommit, StoreError};
-use super::types::{history, ClaimedTask, RetryPolicy, StepOutcome, StepResult};
+use super::types::{history, ClaimedTask, RetryPolicy, StepHistoryEntry, StepOutcome, StepResult};
 
 /// Called after a Step's commit with its task and the time from its claim to
 /// its commit (for metrics and benchmarks).
@@ -346,6 +346,7 @@ async fn run_one(
         .flow_type(&task.flow_type)
         .ok()
         .and_then(|flow_type| flow_type.step_def(&task.step_type).cloned());
+    let mut component = None;
     let result = match def {
         None => Err(AttemptError::Step(StepError::fatal(format!(
             "no handler is registered for step {} of flow type {}",
@@ -353,6 +354,7 @@ async fn run_one(
         )))),
         Some(def) => {
             let ctx = StepContext::new(task.clone(), store.clone(), heartbeat.clone());
+            component = Some(ctx.clone());
             // Its own task, so that a panic fails the attempt, not the worker.
             let handle = tokio::spawn(def.handler.run(ctx));
             if let Ok(mut held) = held.lock() {
@@ -363,19 +365,21 @@ async fn run_one(
             supervise(handle, &task.policy, &heartbeat).await
         }
     };
+    let component = component.and_then(|ctx| ctx.component());
     if let Ok(mut held) = held.lock() {
         held.remove(&(task.task_id, task.lease_token));
     }
     match result {
         Ok(step_result) => {
-            let claimed = commit(store, registry, &task, step_result, claim_next).await?;
+            let claimed =
+                commit(store, registry, &task, step_result, claim_next, component).await?;
             if let Some(observer) = observer {
                 observer(&task, claimed_at.elapsed());
             }
             claimed.into_iter().next()
         }
         Err(err) => {
-            fail(store, registry, &task, err).await;
+            fail(store, registry, &task, err, component).await;
             None
         }
     }
@@ -444,6 +448,7 @@ async fn commit(
     task: &ClaimedTask,
     result: StepResult,
     claim_next: &ClaimNext,
+    component: Option<String>,
 ) -> Option<Vec<ClaimedTask>> {
     let now = match store.now().await {
         Ok(now) => now,
@@ -461,7 +466,7 @@ async fn commit(
                     Ok(new_task) => next.push(new_task),
                     Err(err) => {
                         let err = AttemptError::Step(StepError::fatal(err.to_string()));
-                        fail(store, registry, task, err).await;
+                        fail(store, registry, task, err, component).await;
                         return None;
                     }
                 }
@@ -478,7 +483,10 @@ async fn commit(
         writes: result.writes,
         next,
         complete_flow,
-        history: retry::entry(task, history::EXECUTE_COMPLETED, now, String::new()),
+        history: StepHistoryEntry {
+            component: component.clone(),
+            ..retry::entry(task, history::EXECUTE_COMPLETED, now, String::new())
+        },
         claim_next: Some(claim_next.clone()),
     };
     match store.commit_step(commit).await {
@@ -492,7 +500,7 @@ async fn commit(
         }
         Err(err) => {
             let err = AttemptError::Step(StepError::retryable(format!("commit failed: {err}")));
-            fail(store, registry, task, err).await;
+            fail(store, registry, task, err, component).await;
             None
         }
     }
@@ -503,6 +511,7 @@ async fn fail(
     registry: &Registry,
     task: &ClaimedTask,
     err: AttemptError,
+    component: Option<String>,
 ) {
     tracing::info!(
         flow_id = %task.flow_id,
@@ -512,7 +521,9 @@ async fn fail(
         "step attempt failed"
     );
     let Ok(now) = store.now().await else { return };
-    let failure = AttemptFailure::of(task, retry::after_failure(registry, task, &err, now), false);
+    let (action, mut history) = retry::after_failure(registry, task, &err, now);
+    history.component = component;
+    let failure = AttemptFailure::of(task, (action, history), false);
     match store.fail_attempt(failure).await {
         Ok(()) | Err(StoreError::StaleLease { .. }) => {}
         Err(err) => {

@@ -48,7 +48,7 @@ impl AgentSessionFlow {
     ) -> Self {
         // The operator's policies, and the effects the tool components
         // declare, which a runner cannot lower.
-        let declared = components.iter().flat_map(|c| c.tool_specs.iter());
+        let declared = components.iter().flat_map(|c| c.fixed_specs().iter());
         let policies = Arc::new(options.resolver().with_declared(declared));
         Self {
             steps: Arc::new(SessionSteps {

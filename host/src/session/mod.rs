@@ -18,15 +18,17 @@ mod options;
 pub mod policy;
 pub mod records;
 mod steps;
+mod versions;
 
 pub use client::{new_session_id, AgentSessionClient, SessionError};
+pub use components::{AgentComponents, AgentConfigError, VersionError};
 pub use events::BACKGROUND_HEARTBEAT;
-pub use components::{AgentComponents, AgentConfigError};
 pub use flow::{
     AgentSessionFlow, RUN_MODEL_HEARTBEAT_TIMEOUT, RUN_MODEL_TIMEOUT, RUN_MODEL_WINDOW,
 };
-pub use options::AgentSessionOptions;
 pub use limits::TurnLimits;
+pub use options::AgentSessionOptions;
 pub use policy::{ToolPolicies, ToolPolicyOverride};
 pub use records::*;
 pub use steps::{check_tool_calls_requested, step, turn_failure_note};
+pub use versions::{ActivationWatch, CatalogVersions, ComponentLoader};

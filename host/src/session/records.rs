@@ -71,6 +71,10 @@ pub struct AgentState {
     pub message_count: u64,
     /// Why the last failed turn failed; cleared when a later turn completes.
     pub last_turn_error: Option<String>,
+    /// The runner version (digest) the open turn is pinned to: every Step of
+    /// the turn runs it. None between turns.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runner_digest: Option<String>,
 }
 
 impl AgentState {
@@ -81,6 +85,7 @@ impl AgentState {
             active_turn_id: None,
             message_count: 0,
             last_turn_error: None,
+            runner_digest: None,
         }
     }
 }
@@ -282,6 +287,14 @@ pub struct AgentToolCall {
     /// More is cut, with a marker that says so.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output_limit: Option<u64>,
+    /// The tool component that runs the call (its name in `dexa.toml`);
+    /// none when the runner runs it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub component: Option<String>,
+    /// The version (digest) the call is pinned to, decided when it was
+    /// deferred: every attempt and retry runs it, on any worker.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<String>,
 }
 
 impl AgentToolCall {
@@ -444,6 +457,8 @@ pub mod event_type {
     pub const INTERRUPT_RAISED: &str = "interrupt_raised";
     pub const INTERRUPT_RESOLVED: &str = "interrupt_resolved";
     pub const USAGE_RECORDED: &str = "usage_recorded";
+    /// A turn moved to another runner version (a forward fix).
+    pub const VERSION_CHANGED: &str = "version_changed";
 }
 
 /// One event of the session's stream. Every event carries the turn, the Step

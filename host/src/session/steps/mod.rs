@@ -11,12 +11,12 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::json;
 
+use super::components::{AgentComponents, PinnedRunner, ToolSet, VersionError};
 use super::events::{session_event, BackgroundHeartbeat, StepEvents, StepHeartbeats};
-use super::components::AgentComponents;
-use super::options::AgentSessionOptions;
 use super::limits::{
     cut, output_share, ERROR_TEXT_BYTES, NOTE_ARGUMENTS_BYTES, NOTE_BYTES, NOTE_OUTCOME_BYTES,
 };
+use super::options::AgentSessionOptions;
 use super::policy::ToolPolicies;
 use super::records::*;
 use crate::flow::{
@@ -24,7 +24,7 @@ use crate::flow::{
     StepError, StepResult, StoreMillis,
 };
 use crate::plugin::wit::{self, DeferredToolExecution, ToolError, TurnContext, TurnOutcome};
-use crate::plugin::{CallEnv, StepTag};
+use crate::plugin::{CallEnv, RunnerComponent, StepTag, ToolComponent};
 
 mod model;
 mod tools;
@@ -91,6 +91,16 @@ fn fatal(message: impl Into<String>) -> StepError {
 
 fn retryable(message: impl Into<String>) -> StepError {
     StepError::retryable(bounded(message))
+}
+
+/// A version a Step cannot have: missing or unusable versions fail the
+/// Step at once (no other version may stand in); an unreadable store may
+/// answer a later attempt.
+fn version_error(err: VersionError) -> StepError {
+    match err {
+        VersionError::Missing(_) | VersionError::Invalid(_) => fatal(err.to_string()),
+        VersionError::Unavailable(_) => retryable(err.to_string()),
+    }
 }
 
 fn to_json<T: Serialize>(value: &T) -> Json {
@@ -228,6 +238,8 @@ async fn settle(
 pub(crate) struct SessionSteps {
     pub flow_type: String,
     pub options: AgentSessionOptions,
+    /// The policies of a fixed tool set (a catalog's are decided per tool
+    /// set, see [`SessionSteps::policies_for`]).
     pub policies: Arc<ToolPolicies>,
     pub components: Option<Arc<AgentComponents>>,
 }
@@ -240,6 +252,45 @@ impl SessionSteps {
                 self.flow_type
             ))
         })
+    }
+
+    /// The operator's policies with the effects `set` declares, which a
+    /// runner cannot lower.
+    fn policies_for(&self, set: &ToolSet) -> Arc<ToolPolicies> {
+        if self.components.as_ref().is_none_or(|c| c.is_fixed()) {
+            return self.policies.clone();
+        }
+        Arc::new(self.options.resolver().with_declared(set.specs.iter()))
+    }
+
+    /// The policies a session's runner calls answer with now.
+    async fn session_policies(&self, ctx: &StepContext) -> Arc<ToolPolicies> {
+        let Ok(components) = self.components() else {
+            return self.policies.clone();
+        };
+        match components.tool_set(ctx.flow_id()).await {
+            Ok(set) => self.policies_for(&set),
+            Err(_) => self.policies.clone(),
+        }
+    }
+
+    /// The runner of the open turn: its pin, or (for a turn stored before
+    /// pins were kept) the version a new turn takes.
+    async fn turn_runner(
+        &self,
+        ctx: &StepContext,
+        state: &AgentState,
+    ) -> Result<PinnedRunner, VersionError> {
+        let components = self
+            .components()
+            .map_err(|err| VersionError::Missing(err.to_string()))?;
+        match &state.runner_digest {
+            Some(digest) => Ok(PinnedRunner {
+                digest: digest.clone(),
+                runner: components.runner(digest).await?,
+            }),
+            None => components.new_turn_runner(ctx.flow_id()).await,
+        }
     }
 
     fn tag(ctx: &StepContext, turn_id: &str) -> StepTag {
@@ -257,12 +308,13 @@ impl SessionSteps {
         tag: StepTag,
         events: &StepEvents,
         timeout: Duration,
+        policies: Arc<ToolPolicies>,
     ) -> CallEnv {
         CallEnv::new(tag)
             .with_timeout(timeout)
             .with_events(events.sink())
             .with_heartbeats(Arc::new(StepHeartbeats(ctx.heartbeat_handle())))
-            .with_policy(self.policies.clone())
+            .with_policy(policies)
     }
 
     async fn state(ctx: &StepContext) -> Result<AgentState, StepError> {

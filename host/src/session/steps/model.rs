@@ -61,6 +61,36 @@ impl SessionSteps {
         records.sort_by_key(|r| r.deferral_order);
         let mut usage: AgentUsage =
             value_of(answers.next(), "the session usage")?.unwrap_or_default();
+        // The turn's pinned runner, unless an activation moves turns in
+        // flight (a forward fix): then the hop is recorded with the result.
+        let mut hop = None;
+        let digest = match state.runner_digest.clone() {
+            Some(pinned) => match components
+                .forward_fix(ctx.flow_id(), &pinned)
+                .await
+                .map_err(version_error)?
+            {
+                Some(to) => {
+                    hop = Some(json!({"from": pinned, "to": to.to, "why": to.why}));
+                    to.to
+                }
+                None => pinned,
+            },
+            None => {
+                components
+                    .new_turn_runner(ctx.flow_id())
+                    .await
+                    .map_err(version_error)?
+                    .digest
+            }
+        };
+        ctx.record_component(&digest);
+        let runner = components.runner(&digest).await.map_err(version_error)?;
+        let tool_set = components
+            .tool_set(ctx.flow_id())
+            .await
+            .map_err(version_error)?;
+        let policies = self.policies_for(&tool_set);
         let turn_context = TurnContext {
             flow_id: ctx.flow_id().to_string(),
             turn_id: turn.clone(),
@@ -68,7 +98,7 @@ impl SessionSteps {
             messages,
             framework_run_state: run_state,
             tool_calls: records.iter().map(AgentToolCall::to_wit).collect(),
-            tools: components.tool_specs.clone(),
+            tools: tool_set.specs.clone(),
         };
         let tag = Self::tag(&ctx, &turn);
         let managed = records.iter().map(|r| r.tool_call_id.clone()).collect();
@@ -77,11 +107,11 @@ impl SessionSteps {
         let outcome = {
             let _beat = BackgroundHeartbeat::start(ctx.heartbeat_handle());
             let timeout = self.options.model_step_timeout;
-            let mut env = self.env(&ctx, tag.clone(), &events, timeout);
+            let mut env = self.env(&ctx, tag.clone(), &events, timeout, policies.clone());
             if let Some(model) = &components.model {
                 env = env.with_model(model.clone());
             }
-            components.runner.run_model_step(env, turn_context).await
+            runner.run_model_step(env, turn_context).await
         };
         // The calls the outcome defers are the host's to report.
         let deferred: HashSet<String> = match &outcome {
@@ -111,6 +141,13 @@ impl SessionSteps {
                 event_type::USAGE_RECORDED,
                 json!({"recorded": recorded, "session": usage}),
             );
+            let hop_writes = match hop {
+                Some(hop) => StepResult::end().append(
+                    AGENT_EVENTS,
+                    session_event(&tag, event_type::VERSION_CHANGED, hop),
+                ),
+                None => StepResult::end(),
+            };
             match outcome {
                 TurnOutcome::Completed(done) => {
                     let limit = self.options.turn_limits.messages;
@@ -120,7 +157,8 @@ impl SessionSteps {
                             done.new_messages.len()
                         )));
                     }
-                    let mut result = StepResult::go_to(await_user_message_call());
+                    let mut result =
+                        StepResult::go_to(await_user_message_call()).with_writes(hop_writes.writes);
                     let count = done.new_messages.len() as u64;
                     for (offset, message) in done.new_messages.iter().enumerate() {
                         let sequence = state.message_count + 1 + offset as u64;
@@ -135,6 +173,7 @@ impl SessionSteps {
                     state.status = SessionStatus::WaitingForUserMessage;
                     state.active_turn_id = None;
                     state.last_turn_error = None;
+                    state.runner_digest = None;
                     Ok(result
                         .clear(AGENT_TOOL_CALLS)
                         .delete(FRAMEWORK_RUN_STATE, "")
@@ -183,14 +222,20 @@ impl SessionSteps {
                         now.saturating_add(after)
                     });
                     let mut next = Vec::with_capacity(request.tool_calls.len() + 1);
-                    let mut result = StepResult::end()
+                    let mut result = hop_writes
                         .set(FRAMEWORK_RUN_STATE, json!(request.framework_run_state))
                         .set(AGENT_USAGE, to_json(&usage))
                         .append(AGENT_EVENTS, usage_event);
                     for (index, call) in request.tool_calls.iter().enumerate() {
                         // Decided once, by the rules the runner's import
                         // answers with; the runner may only add caution.
-                        let decided = self.policies.decide(&call.tool_name, call.policy);
+                        let decided = policies.decide(&call.tool_name, call.policy);
+                        // Pinned now: the tool version active at deferral
+                        // runs every attempt, or the turn's runner.
+                        let (component, pinned) = match tool_set.serving(&call.tool_name) {
+                            Some(tool) => (Some(tool.role.clone()), tool.digest.clone()),
+                            None => (None, digest.clone()),
+                        };
                         let effect: ToolEffect = decided.effect.into();
                         let requires_approval = decided.requires_approval;
                         let record = AgentToolCall {
@@ -210,6 +255,8 @@ impl SessionSteps {
                             rejection_message: None,
                             deferral_order: (records.len() + index) as u32,
                             output_limit: Some(share),
+                            component,
+                            digest: Some(pinned),
                         };
                         result = result
                             .set_entry(AGENT_TOOL_CALLS, &record.tool_call_id, to_json(&record))
@@ -223,6 +270,8 @@ impl SessionSteps {
                                         "tool_name": record.tool_name,
                                         "effect": effect.as_str(),
                                         "requires_approval": requires_approval,
+                                        "component": record.component,
+                                        "digest": record.digest,
                                     }),
                                 ),
                             );
@@ -265,6 +314,7 @@ impl SessionSteps {
                     }
                     next.push(resume_turn_call(request.tool_calls.len() as u32));
                     state.status = SessionStatus::RunningTools;
+                    state.runner_digest = Some(digest.clone());
                     Ok(StepResult::go_to_many(next)
                         .with_writes(result.writes)
                         .set(AGENT_STATE, to_json(&state)))

@@ -6,6 +6,12 @@ use super::*;
 /// The least of a failure's reason a record keeps, whatever its share.
 const ERROR_FLOOR_BYTES: usize = 256;
 
+/// What runs a tool call: its tool component, or the turn's runner.
+enum Target {
+    Tool(Arc<ToolComponent>),
+    Runner(Arc<RunnerComponent>),
+}
+
 impl SessionSteps {
     pub async fn await_tool_approval(
         self: Arc<Self>,
@@ -83,6 +89,30 @@ impl SessionSteps {
             )));
         }
         let tag = Self::tag(&ctx, &record.turn_id);
+        // The version the call was pinned to when it was deferred; a call
+        // stored before pins were kept takes what its turn would offer now.
+        let target = match (&record.component, &record.digest) {
+            (Some(role), Some(digest)) => components
+                .tool(role, digest)
+                .await
+                .map(|tool| (digest.clone(), Target::Tool(tool))),
+            (None, Some(digest)) => components
+                .runner(digest)
+                .await
+                .map(|runner| (digest.clone(), Target::Runner(runner))),
+            (_, None) => self.unpinned_target(&ctx, &record.tool_name).await,
+        };
+        let (digest, target) = target.map_err(|err| {
+            // A version it cannot have never started the call.
+            let err = version_error(err);
+            match err {
+                StepError::Fatal(message) => StepError::Fatal(format!("{NOT_STARTED}{message}")),
+                StepError::Retryable(message) => {
+                    StepError::Retryable(format!("{NOT_STARTED}{message}"))
+                }
+            }
+        })?;
+        ctx.record_component(&digest);
         // Durable output before the tool runs: a lost worker now means the
         // next attempt (or the failure route), never a silent second run.
         let started = session_event(
@@ -108,20 +138,17 @@ impl SessionSteps {
         );
         let result = {
             let _beat = BackgroundHeartbeat::start(ctx.heartbeat_handle());
+            let policies = self.session_policies(&ctx).await;
             let env = self.env(
                 &ctx,
                 tag.clone(),
                 &events,
                 self.options.tool_attempt_timeout,
+                policies,
             );
-            match components.tool_for(&record.tool_name) {
-                Some(tool) => tool.call(env, &execution).await,
-                None => {
-                    components
-                        .runner
-                        .execute_deferred_tool_call(env, &execution)
-                        .await
-                }
+            match target {
+                Target::Tool(tool) => tool.call(env, &execution).await,
+                Target::Runner(runner) => runner.execute_deferred_tool_call(env, &execution).await,
             }
         };
         let leftovers = events.finish().await;
@@ -160,6 +187,27 @@ impl SessionSteps {
         }
         .await;
         settle(&ctx, leftovers, result).await
+    }
+
+    /// Where a call with no pin runs: the tool component serving it in the
+    /// session's tool set now, else the turn's runner.
+    async fn unpinned_target(
+        &self,
+        ctx: &StepContext,
+        tool_name: &str,
+    ) -> Result<(String, Target), VersionError> {
+        let components = self
+            .components()
+            .map_err(|err| VersionError::Missing(err.to_string()))?;
+        let set = components.tool_set(ctx.flow_id()).await?;
+        if let Some(tool) = set.serving(tool_name) {
+            return Ok((tool.digest.clone(), Target::Tool(tool.component.clone())));
+        }
+        let state = Self::state(ctx)
+            .await
+            .map_err(|err| VersionError::Unavailable(err.to_string()))?;
+        let pinned = self.turn_runner(ctx, &state).await?;
+        Ok((pinned.digest, Target::Runner(pinned.runner)))
     }
 
     async fn record_failure(

@@ -47,17 +47,26 @@ pub fn turn_failure_note(records: &[AgentToolCall]) -> String {
 }
 
 impl SessionSteps {
-    /// `build-user-message`, in a fresh sandbox; its role must be `user`.
+    /// `build-user-message` of `runner`, in a fresh sandbox; its role must
+    /// be `user`.
     async fn user_message(
         &self,
         ctx: &StepContext,
         tag: &StepTag,
         text: &str,
+        runner: &PinnedRunner,
     ) -> Result<wit::FrameworkMessage, StepError> {
-        let components = self.components()?;
+        ctx.record_component(&runner.digest);
         let events = StepEvents::start(ctx, self.options.events_capacity, HashSet::new());
-        let env = self.env(ctx, tag.clone(), &events, BUILD_USER_MESSAGE_TIMEOUT);
-        let message = components.runner.build_user_message(env, text).await;
+        let policies = self.session_policies(ctx).await;
+        let env = self.env(
+            ctx,
+            tag.clone(),
+            &events,
+            BUILD_USER_MESSAGE_TIMEOUT,
+            policies,
+        );
+        let message = runner.runner.build_user_message(env, text).await;
         let leftovers = events.finish().await;
         if !leftovers.is_empty() {
             // Best effort, like every live event.
@@ -93,7 +102,20 @@ impl SessionSteps {
         let turn = turn_id(number);
         let tag = Self::tag(ctx, &turn);
         let text = user.text.as_str();
-        let message = match self.user_message(ctx, &tag, text).await {
+        // A new turn takes the version active for this session now (or its
+        // ramp's), and keeps it to its end.
+        // These Steps have no failure route, so a version they cannot have
+        // is retried, and then gives the message up with the reason.
+        let pinned = self
+            .components()?
+            .new_turn_runner(ctx.flow_id())
+            .await
+            .map_err(|err| retryable(err.to_string()));
+        let built = match &pinned {
+            Ok(runner) => self.user_message(ctx, &tag, text, runner).await,
+            Err(err) => Err(err.clone()),
+        };
+        let message = match built {
             Ok(message) => message,
             // These Steps have no failure route: on the last attempt the
             // message is given up (and consumed) with the reason recorded,
@@ -139,6 +161,8 @@ impl SessionSteps {
         state.active_turn_id = Some(turn.clone());
         state.message_count = sequence;
         state.status = SessionStatus::RunningModel;
+        state.runner_digest = pinned.ok().map(|p| p.digest);
+        let runner = state.runner_digest.clone();
         let stored = AgentMessage::from_framework(sequence, &turn, &message);
         Ok(StepResult::go_to(run_model_call())
             .with_writes(result.writes)
@@ -153,7 +177,7 @@ impl SessionSteps {
                 session_event(
                     &tag,
                     event_type::TURN_STARTED,
-                    json!({"sequence": sequence}),
+                    json!({"sequence": sequence, "runner": runner}),
                 ),
             ))
     }
@@ -220,10 +244,15 @@ impl SessionSteps {
         let note = if finished.is_empty() {
             None
         } else {
-            match self
-                .user_message(&ctx, &tag, &turn_failure_note(&finished))
-                .await
-            {
+            // The note is the turn's own: its pinned runner builds it.
+            let built = match self.turn_runner(&ctx, &state).await {
+                Ok(runner) => {
+                    self.user_message(&ctx, &tag, &turn_failure_note(&finished), &runner)
+                        .await
+                }
+                Err(err) => Err(retryable(err.to_string())),
+            };
+            match built {
                 Ok(note) => Some(note),
                 // No failure route here either: on the last attempt the
                 // turn fails without its note, and says why.
@@ -247,6 +276,7 @@ impl SessionSteps {
         state.status = SessionStatus::WaitingForUserMessage;
         state.active_turn_id = None;
         state.last_turn_error = Some(error.clone());
+        state.runner_digest = None;
         Ok(result
             .clear(AGENT_TOOL_CALLS)
             .delete(FRAMEWORK_RUN_STATE, "")
@@ -277,6 +307,8 @@ mod tests {
             rejection_message: None,
             deferral_order: n as u32,
             output_limit: None,
+            component: None,
+            digest: None,
         }
     }
 

@@ -16,6 +16,7 @@
 //!   the file. `synchronous=FULL` fsyncs every commit (see `dexa bench engine`
 //!   for the cost).
 
+mod catalog;
 mod connection;
 mod schema;
 mod state;
@@ -697,7 +698,7 @@ impl FlowStore for SqliteStore {
         self.read(move |conn, _| {
             let mut stmt = conn
                 .prepare(
-                    "SELECT event_type, step_type, step_execution_id, attempt, at_ms, detail, started_at_ms
+                    "SELECT event_type, step_type, step_execution_id, attempt, at_ms, detail, started_at_ms, component
                      FROM step_history WHERE flow_id = ?1 ORDER BY entry_id",
                 )
                 .map_err(backend)?;
@@ -711,6 +712,7 @@ impl FlowStore for SqliteStore {
                         at: row.get(4)?,
                         detail: row.get(5)?,
                         started_at: row.get(6)?,
+                        component: row.get(7)?,
                     })
                 })
                 .map_err(backend)?

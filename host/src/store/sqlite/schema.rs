@@ -5,7 +5,7 @@ use rusqlite::Connection;
 use super::backend;
 use crate::flow::StoreError;
 
-const SCHEMA_VERSION: i64 = 2;
+const SCHEMA_VERSION: i64 = 3;
 
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS flows (
@@ -99,7 +99,8 @@ CREATE TABLE IF NOT EXISTS step_history (
     attempt            INTEGER NOT NULL,
     at_ms              INTEGER NOT NULL,
     detail             TEXT,
-    started_at_ms      INTEGER
+    started_at_ms      INTEGER,
+    component          TEXT       -- the digest of the component that ran
 );
 CREATE INDEX IF NOT EXISTS step_history_by_flow ON step_history (flow_id, entry_id);
 
@@ -111,6 +112,28 @@ CREATE TABLE IF NOT EXISTS state_locks (
     PRIMARY KEY (flow_id, name, task_id)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS state_locks_by_task ON state_locks (task_id);
+
+-- The component catalog: versions by digest, with their bytes.
+CREATE TABLE IF NOT EXISTS components (
+    digest  TEXT PRIMARY KEY,
+    record  TEXT NOT NULL,
+    bytes   BLOB NOT NULL
+);
+
+-- Append-only: which version each agent's role takes.
+CREATE TABLE IF NOT EXISTS activations (
+    seq                INTEGER PRIMARY KEY AUTOINCREMENT,
+    agent              TEXT NOT NULL,
+    role               TEXT NOT NULL,
+    digest             TEXT NOT NULL,
+    mode               TEXT NOT NULL,   -- current | ramp
+    percent            INTEGER,
+    upgrade_in_flight  INTEGER NOT NULL,
+    actor              TEXT NOT NULL,
+    reason             TEXT NOT NULL,
+    at_ms              INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS activations_by_role ON activations (agent, role, seq);
 ";
 
 pub(super) fn migrate(conn: &mut Connection) -> Result<(), StoreError> {
@@ -131,6 +154,12 @@ pub(super) fn migrate(conn: &mut Connection) -> Result<(), StoreError> {
     // Schema 2: when each history entry's attempt started.
     if version == 1 {
         tx.execute_batch("ALTER TABLE step_history ADD COLUMN started_at_ms INTEGER")
+            .map_err(backend)?;
+    }
+    // Schema 3: which component version ran each Step (the catalog's
+    // tables are new and created above).
+    if (1..=2).contains(&version) {
+        tx.execute_batch("ALTER TABLE step_history ADD COLUMN component TEXT")
             .map_err(backend)?;
     }
     tx.pragma_update(None, "user_version", SCHEMA_VERSION)
@@ -163,12 +192,14 @@ mod tests {
             .query_row("PRAGMA user_version", [], |row| row.get(0))
             .unwrap_or_else(|err| panic!("{err}"));
         assert_eq!(version, SCHEMA_VERSION);
-        let started: Option<i64> = conn
-            .query_row("SELECT started_at_ms FROM step_history", [], |row| {
-                row.get(0)
-            })
+        let (started, component): (Option<i64>, Option<String>) = conn
+            .query_row(
+                "SELECT started_at_ms, component FROM step_history",
+                [],
+                |row| Ok((row.get(0)?, row.get(1)?)),
+            )
             .unwrap_or_else(|err| panic!("{err}"));
-        assert_eq!(started, None);
+        assert_eq!((started, component), (None, None));
         // Migrating again changes nothing.
         migrate(&mut conn).unwrap_or_else(|err| panic!("{err}"));
         conn.execute_batch("PRAGMA user_version = 99;")

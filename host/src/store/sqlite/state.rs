@@ -425,8 +425,8 @@ pub(super) fn insert_history(
     entry: &StepHistoryEntry,
 ) -> Result<(), StoreError> {
     cached_execute(conn,
-        "INSERT INTO step_history (flow_id, event_type, step_type, step_execution_id, attempt, at_ms, detail, started_at_ms)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+        "INSERT INTO step_history (flow_id, event_type, step_type, step_execution_id, attempt, at_ms, detail, started_at_ms, component)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
         params![
             flow_id,
             entry.event_type,
@@ -436,6 +436,7 @@ pub(super) fn insert_history(
             entry.at,
             entry.detail.as_deref().filter(|d| !d.is_empty()),
             entry.started_at,
+            entry.component,
         ],
     )
     .map_err(backend)?;

@@ -1,0 +1,181 @@
+//! Folding the activation log into what a new turn takes.
+
+use std::collections::BTreeMap;
+
+use sha2::{Digest, Sha256};
+
+use super::{Activation, ActivationMode};
+
+/// Where a session falls on every ramp: 0..10_000, from a hash of its id
+/// alone, so that widening a ramp from 10 % to 20 % keeps the first 10 % on
+/// the new version, and a session keeps one version while a ramp stands.
+pub fn ramp_bucket(session_id: &str) -> u16 {
+    let hash = Sha256::digest(session_id.as_bytes());
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&hash[..8]);
+    (u64::from_be_bytes(first) % 10_000) as u16
+}
+
+/// One role's versions, as its log says now.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RoleState {
+    /// The version every session takes, outside a ramp.
+    pub current: Option<String>,
+    /// A ramp's version and share in percent.
+    pub ramp: Option<(String, u8)>,
+    /// The latest activation.
+    pub last: Option<Activation>,
+    /// Every version that was current, oldest first, one entry per change.
+    pub history: Vec<String>,
+}
+
+impl RoleState {
+    /// Applies the next activation of this role.
+    pub fn apply(&mut self, activation: &Activation) {
+        match activation.mode {
+            ActivationMode::Current => {
+                self.ramp = None;
+                if self.current.as_deref() != Some(activation.digest.as_str()) {
+                    self.history.push(activation.digest.clone());
+                }
+                self.current = Some(activation.digest.clone());
+            }
+            ActivationMode::Ramp(percent) => {
+                self.ramp = Some((activation.digest.clone(), percent));
+            }
+        }
+        self.last = Some(activation.clone());
+    }
+
+    /// The version a new turn of `session_id` takes.
+    pub fn choose(&self, session_id: &str) -> Option<&str> {
+        if let Some((digest, percent)) = &self.ramp {
+            if self.current.is_none() || ramp_bucket(session_id) < u16::from(*percent) * 100 {
+                return Some(digest);
+            }
+        }
+        self.current.as_deref()
+    }
+
+    /// The versions a new turn may take (the current one and a ramp's).
+    pub fn active(&self) -> Vec<&str> {
+        let mut active: Vec<&str> = self.current.iter().map(String::as_str).collect();
+        if let Some((digest, _)) = &self.ramp {
+            if !active.contains(&digest.as_str()) {
+                active.push(digest);
+            }
+        }
+        active
+    }
+
+    /// Whether the latest activation moves turns pinned elsewhere.
+    pub fn upgrades_in_flight(&self) -> bool {
+        self.last.as_ref().is_some_and(|a| a.upgrade_in_flight)
+    }
+
+    /// What a rollback activates: the current version while a ramp stands
+    /// (which ends the ramp), else the version that was current before.
+    pub fn rollback_target(&self) -> Option<&str> {
+        if self.ramp.is_some() {
+            return self.current.as_deref();
+        }
+        let current = self.current.as_deref()?;
+        self.history
+            .iter()
+            .rev()
+            .map(String::as_str)
+            .find(|digest| *digest != current)
+    }
+}
+
+/// Every role of every agent, folded from the log.
+#[derive(Clone, Debug, Default)]
+pub struct RoleStates {
+    pub roles: BTreeMap<(String, String), RoleState>,
+    /// The last sequence number applied.
+    pub last_seq: i64,
+}
+
+impl RoleStates {
+    pub fn from_log(log: &[Activation]) -> Self {
+        let mut states = Self::default();
+        for activation in log {
+            states.apply(activation);
+        }
+        states
+    }
+
+    /// Applies the next entry of the log; an entry already applied is
+    /// ignored.
+    pub fn apply(&mut self, activation: &Activation) {
+        if activation.seq <= self.last_seq {
+            return;
+        }
+        self.roles
+            .entry((activation.agent.clone(), activation.role.clone()))
+            .or_default()
+            .apply(activation);
+        self.last_seq = activation.seq;
+    }
+
+    pub fn role(&self, agent: &str, role: &str) -> Option<&RoleState> {
+        self.roles.get(&(agent.to_string(), role.to_string()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn activation(seq: i64, digest: &str, mode: ActivationMode) -> Activation {
+        Activation {
+            seq,
+            agent: "a".into(),
+            role: "runner".into(),
+            digest: digest.into(),
+            mode,
+            upgrade_in_flight: false,
+            actor: "test".into(),
+            reason: String::new(),
+            at: seq,
+        }
+    }
+
+    #[test]
+    fn a_ramp_sends_a_stable_share_and_a_rollback_ends_it() {
+        let mut role = RoleState::default();
+        role.apply(&activation(1, "old", ActivationMode::Current));
+        role.apply(&activation(2, "new", ActivationMode::Ramp(10)));
+        let sessions: Vec<String> = (0..1000).map(|n| format!("session-{n}")).collect();
+        let on_new = sessions
+            .iter()
+            .filter(|s| role.choose(s) == Some("new"))
+            .count();
+        assert!(
+            (70..=130).contains(&on_new),
+            "{on_new} of 1000 on a 10 % ramp"
+        );
+        // Widening keeps every session that was on the new version there.
+        let mut wider = role.clone();
+        wider.apply(&activation(3, "new", ActivationMode::Ramp(30)));
+        for session in &sessions {
+            if role.choose(session) == Some("new") {
+                assert_eq!(wider.choose(session), Some("new"));
+            }
+        }
+        assert_eq!(role.rollback_target(), Some("old"));
+        role.apply(&activation(4, "old", ActivationMode::Current));
+        assert!(sessions.iter().all(|s| role.choose(s) == Some("old")));
+    }
+
+    #[test]
+    fn a_rollback_returns_to_the_version_current_before() {
+        let mut role = RoleState::default();
+        assert_eq!(role.rollback_target(), None);
+        role.apply(&activation(1, "a", ActivationMode::Current));
+        assert_eq!(role.rollback_target(), None, "nothing to go back to");
+        role.apply(&activation(2, "b", ActivationMode::Current));
+        role.apply(&activation(3, "b", ActivationMode::Current));
+        assert_eq!(role.rollback_target(), Some("a"));
+    }
+}

@@ -1,0 +1,272 @@
+//! `dexa component add|list|gc` and `dexa agent versions|activate|rollback`:
+//! the component catalog and the activation log, from the command line.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::{Args, Subcommand};
+use serde_json::json;
+
+use crate::catalog::{short_digest, ActivationMode, RoleStates, RUNNER_ROLE};
+use crate::config::gc;
+use crate::config::versions::{
+    activate, config_engine, runner_record, tool_record, ActivationRequest, VersionSource,
+};
+use crate::config::{Deployment, DexaConfig};
+use crate::plugin::{ComponentSettings, LoadError};
+
+/// The config file and who acts.
+#[derive(Args, Debug)]
+pub struct CatalogArgs {
+    /// The config file (it names the store).
+    #[arg(long, short, default_value = crate::config::DEFAULT_CONFIG_FILE, env = "DEXA_CONFIG")]
+    pub config: PathBuf,
+    /// Who is recorded as adding or activating (default: $USER).
+    #[arg(long)]
+    pub actor: Option<String>,
+}
+
+impl CatalogArgs {
+    fn actor(&self) -> String {
+        self.actor
+            .clone()
+            .or_else(|| std::env::var("USER").ok())
+            .filter(|a| !a.trim().is_empty())
+            .unwrap_or_else(|| "cli".to_string())
+    }
+
+    fn open(&self) -> anyhow::Result<Deployment> {
+        Deployment::for_clients(DexaConfig::load(&self.config)?)
+    }
+}
+
+#[derive(Args, Debug)]
+pub struct AddArgs {
+    /// The component file (.wasm): a runner or a tool component.
+    pub path: PathBuf,
+    #[command(flatten)]
+    pub catalog: CatalogArgs,
+}
+
+#[derive(Args, Debug)]
+pub struct GcArgs {
+    /// Keep versions that were active or added within this many seconds.
+    #[arg(long, default_value_t = gc::DEFAULT_GRACE.as_secs())]
+    pub grace_secs: u64,
+    #[command(flatten)]
+    pub catalog: CatalogArgs,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum AgentCommand {
+    /// The activation log of an agent and what each role takes now.
+    Versions(VersionsArgs),
+    /// Verify a version and make it active for new turns (or a ramp).
+    Activate(ActivateArgs),
+    /// Activate the version that was current before (or end a ramp).
+    Rollback(RollbackArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct VersionsArgs {
+    pub agent: String,
+    #[command(flatten)]
+    pub catalog: CatalogArgs,
+}
+
+#[derive(Args, Debug)]
+pub struct ActivateArgs {
+    pub agent: String,
+    /// The runner: a .wasm file or a digest already added.
+    #[arg(long, conflicts_with = "tool")]
+    pub runner: Option<String>,
+    /// A tool component: NAME=FILE or NAME=DIGEST (NAME as in dexa.toml).
+    #[arg(long)]
+    pub tool: Option<String>,
+    /// Send this percent of sessions (1-99, stable by session id) to it.
+    #[arg(long)]
+    pub ramp: Option<u8>,
+    /// Move turns pinned to another runner to this one at their next
+    /// RunModel (a forward fix), recording the hop.
+    #[arg(long)]
+    pub upgrade_in_flight: bool,
+    /// Why, for the log.
+    #[arg(long, default_value = "")]
+    pub reason: String,
+    #[command(flatten)]
+    pub catalog: CatalogArgs,
+}
+
+#[derive(Args, Debug)]
+pub struct RollbackArgs {
+    pub agent: String,
+    /// Roll the runner back (the default).
+    #[arg(long, conflicts_with = "tool")]
+    pub runner: bool,
+    /// Roll this tool component back.
+    #[arg(long)]
+    pub tool: Option<String>,
+    /// Move turns pinned to the rolled-back runner at their next RunModel.
+    #[arg(long)]
+    pub upgrade_in_flight: bool,
+    #[arg(long, default_value = "")]
+    pub reason: String,
+    #[command(flatten)]
+    pub catalog: CatalogArgs,
+}
+
+fn print(value: serde_json::Value) -> anyhow::Result<()> {
+    println!("{}", serde_json::to_string_pretty(&value)?);
+    Ok(())
+}
+
+/// `dexa component add`: verifies the file as a runner or a tool component
+/// (with no grants) and adds it.
+pub async fn add(args: AddArgs) -> anyhow::Result<()> {
+    let deployment = args.catalog.open()?;
+    let engine = config_engine(&deployment.config)?;
+    let wasm = std::fs::read(&args.path)
+        .with_context(|| format!("cannot read {}", args.path.display()))?;
+    let settings = ComponentSettings::named(super::component_name(&args.path));
+    let actor = args.catalog.actor();
+    let record = match engine.load_runner(&wasm, settings.clone()) {
+        Ok(runner) => runner_record(&runner, wasm.len(), &actor),
+        Err(LoadError::WrongWorld { .. }) => {
+            let tool = engine.load_tool(&wasm, settings).await?;
+            tool_record(&tool, wasm.len(), &actor)
+        }
+        Err(err) => return Err(err.into()),
+    };
+    let added = deployment
+        .catalog
+        .add_component(record.clone(), wasm)
+        .await?;
+    print(
+        json!({"digest": record.digest, "world": record.world, "added": added,
+        "tools": record.tools}),
+    )
+}
+
+pub async fn list(args: CatalogArgs) -> anyhow::Result<()> {
+    let deployment = args.open()?;
+    let records = deployment.catalog.list_components().await?;
+    print(serde_json::to_value(records)?)
+}
+
+pub async fn collect(args: GcArgs) -> anyhow::Result<()> {
+    let deployment = args.catalog.open()?;
+    let report = gc::collect(
+        &*deployment.catalog,
+        &*deployment.store,
+        Duration::from_secs(args.grace_secs),
+    )
+    .await?;
+    print(json!({"removed": report.removed, "kept": report.kept}))
+}
+
+pub async fn versions(args: VersionsArgs) -> anyhow::Result<()> {
+    let deployment = args.catalog.open()?;
+    if !deployment.config.agents.contains_key(&args.agent) {
+        bail!(
+            "there is no agent {:?} in {}",
+            args.agent,
+            args.catalog.config.display()
+        );
+    }
+    let log = deployment.catalog.activations(Some(&args.agent)).await?;
+    let states = RoleStates::from_log(&log);
+    let roles: serde_json::Map<String, serde_json::Value> = states
+        .roles
+        .iter()
+        .map(|((_, role), state)| {
+            (
+                role.clone(),
+                json!({
+                    "current": state.current,
+                    "ramp": state.ramp.as_ref().map(|(d, p)| json!({"digest": d, "percent": p})),
+                    "upgrade_in_flight": state.upgrades_in_flight(),
+                }),
+            )
+        })
+        .collect();
+    print(json!({"agent": args.agent, "roles": roles, "log": log}))
+}
+
+fn split_tool(spec: &str) -> anyhow::Result<(String, String)> {
+    match spec.split_once('=') {
+        Some((name, source)) if !name.is_empty() && !source.is_empty() => {
+            Ok((name.to_string(), source.to_string()))
+        }
+        _ => bail!("--tool {spec:?}: expected NAME=FILE or NAME=DIGEST"),
+    }
+}
+
+pub async fn activate_command(args: ActivateArgs) -> anyhow::Result<()> {
+    let deployment = args.catalog.open()?;
+    let (role, source) = match (&args.runner, &args.tool) {
+        (Some(runner), None) => (RUNNER_ROLE.to_string(), runner.clone()),
+        (None, Some(tool)) => split_tool(tool)?,
+        _ => bail!("say what to activate: --runner FILE|DIGEST or --tool NAME=FILE|DIGEST"),
+    };
+    let mode = match args.ramp {
+        Some(percent) => ActivationMode::ramp(percent).map_err(anyhow::Error::msg)?,
+        None => ActivationMode::Current,
+    };
+    let engine = config_engine(&deployment.config)?;
+    let activation = activate(
+        &deployment.config,
+        &engine,
+        &*deployment.catalog,
+        ActivationRequest {
+            agent: args.agent,
+            role,
+            source: VersionSource::parse(&source),
+            mode,
+            upgrade_in_flight: args.upgrade_in_flight,
+            actor: args.catalog.actor(),
+            reason: args.reason,
+        },
+    )
+    .await?;
+    print(serde_json::to_value(activation)?)
+}
+
+pub async fn rollback(args: RollbackArgs) -> anyhow::Result<()> {
+    let deployment = args.catalog.open()?;
+    let role = args.tool.clone().unwrap_or_else(|| RUNNER_ROLE.to_string());
+    let log = deployment.catalog.activations(Some(&args.agent)).await?;
+    let states = RoleStates::from_log(&log);
+    let Some(target) = states
+        .role(&args.agent, &role)
+        .and_then(|s| s.rollback_target())
+        .map(str::to_string)
+    else {
+        bail!(
+            "agent {:?} ({role}) has no earlier version to roll back to",
+            args.agent
+        );
+    };
+    let engine = config_engine(&deployment.config)?;
+    let reason = if args.reason.is_empty() {
+        format!("rollback to {}", short_digest(&target))
+    } else {
+        args.reason
+    };
+    let activation = activate(
+        &deployment.config,
+        &engine,
+        &*deployment.catalog,
+        ActivationRequest {
+            agent: args.agent,
+            role,
+            source: VersionSource::Digest(target),
+            mode: ActivationMode::Current,
+            upgrade_in_flight: args.upgrade_in_flight,
+            actor: args.catalog.actor(),
+            reason,
+        },
+    )
+    .await?;
+    print(serde_json::to_value(activation)?)
+}

@@ -1,0 +1,434 @@
+//! Component versions for the agents of a `dexa.toml`: loading a version
+//! from the catalog with its role's settings, verifying one before it is
+//! activated, and the bootstrap that activates the config's own files.
+//!
+//! How the two paths meet: `dexa.toml` names a file per role. At start, a
+//! worker (or `dexa serve`) adds that file's version to the catalog and
+//! activates it, as actor `config`, **only when the file changed** since the
+//! role's last `config` activation. So an explicit activation (`dexa agent
+//! activate`) stands across restarts until someone deploys a new file, and
+//! a new file wins over an older explicit activation, recorded in the log.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+
+use super::{ComponentConfig, DexaConfig};
+use crate::catalog::{
+    short_digest, ActivateIf, Activation, ActivationMode, CatalogError, CatalogStore, CatalogTool,
+    ComponentRecord, NewActivation, RoleStates, CONFIG_ACTOR, RUNNER_ROLE,
+};
+use crate::plugin::cache::sha256_hex;
+use crate::plugin::{
+    ComponentSettings, RunnerComponent, SandboxConfig, SandboxEngine, ToolComponent, World,
+};
+use crate::session::{ComponentLoader, ToolEffect};
+
+/// Loads versions with the settings `dexa.toml` gives each role.
+pub struct ConfigLoader {
+    pub(crate) engine: SandboxEngine,
+    /// By component name, grants resolved and checked.
+    pub(crate) settings: BTreeMap<String, ComponentSettings>,
+    /// Agent name → its runner's component name.
+    pub(crate) runners: BTreeMap<String, String>,
+}
+
+impl ConfigLoader {
+    fn settings_of(&self, component: &str) -> Result<ComponentSettings, String> {
+        self.settings
+            .get(component)
+            .cloned()
+            .ok_or_else(|| format!("component {component:?} has no settings in dexa.toml"))
+    }
+}
+
+fn check_digest(expected: &str, loaded: &str) -> Result<(), String> {
+    if expected == loaded {
+        Ok(())
+    } else {
+        Err(format!(
+            "the stored bytes hash to {loaded}, not {expected}: the registry is corrupt"
+        ))
+    }
+}
+
+#[async_trait]
+impl ComponentLoader for ConfigLoader {
+    async fn load_runner(
+        &self,
+        agent: &str,
+        digest: &str,
+        wasm: Vec<u8>,
+    ) -> Result<RunnerComponent, String> {
+        let component = self
+            .runners
+            .get(agent)
+            .ok_or_else(|| format!("agent {agent:?} is not in dexa.toml"))?;
+        let settings = self.settings_of(component)?;
+        let engine = self.engine.clone();
+        // Compiling is CPU work of up to seconds: off the runtime's threads.
+        let runner = tokio::task::spawn_blocking(move || engine.load_runner(&wasm, settings))
+            .await
+            .map_err(|err| format!("loading stopped: {err}"))?
+            .map_err(|err| err.to_string())?;
+        check_digest(digest, &runner.info().sha256)?;
+        Ok(runner)
+    }
+
+    async fn load_tool(
+        &self,
+        _agent: &str,
+        role: &str,
+        digest: &str,
+        wasm: Vec<u8>,
+    ) -> Result<ToolComponent, String> {
+        let settings = self.settings_of(role)?;
+        let tool = self
+            .engine
+            .load_tool(&wasm, settings)
+            .await
+            .map_err(|err| err.to_string())?;
+        check_digest(digest, &tool.info().sha256)?;
+        Ok(tool)
+    }
+}
+
+/// The package of the worlds the host implements.
+fn wit_package(world: World) -> String {
+    let name = world.name();
+    match (name.split_once('/'), name.rsplit_once('@')) {
+        (Some((package, _)), Some((_, version))) => format!("{package}@{version}"),
+        _ => name.to_string(),
+    }
+}
+
+/// The catalog's record of a verified runner.
+pub fn runner_record(runner: &RunnerComponent, size: usize, actor: &str) -> ComponentRecord {
+    ComponentRecord {
+        digest: runner.info().sha256.clone(),
+        world: "runner".to_string(),
+        wit_package: wit_package(World::Runner),
+        tools: Vec::new(),
+        size: size as u64,
+        added_at: 0,
+        added_by: actor.to_string(),
+    }
+}
+
+/// The catalog's record of a verified tool component, with its tools.
+pub fn tool_record(tool: &ToolComponent, size: usize, actor: &str) -> ComponentRecord {
+    ComponentRecord {
+        digest: tool.info().sha256.clone(),
+        world: "tool".to_string(),
+        wit_package: wit_package(World::Tool),
+        tools: tool
+            .tools()
+            .iter()
+            .map(|spec| CatalogTool {
+                name: spec.name.clone(),
+                effect: spec
+                    .effect
+                    .map(|e| ToolEffect::from(e).as_str().to_string()),
+            })
+            .collect(),
+        size: size as u64,
+        added_at: 0,
+        added_by: actor.to_string(),
+    }
+}
+
+/// What an activation names: a file to add, or a version already added.
+#[derive(Clone, Debug)]
+pub enum VersionSource {
+    File(std::path::PathBuf),
+    Digest(String),
+}
+
+impl VersionSource {
+    /// A digest is 64 hex digits; anything else is a path.
+    pub fn parse(text: &str) -> Self {
+        if text.len() == 64 && text.bytes().all(|b| b.is_ascii_hexdigit()) {
+            VersionSource::Digest(text.to_ascii_lowercase())
+        } else {
+            VersionSource::File(text.into())
+        }
+    }
+}
+
+/// Why an activation was refused. The active version did not change.
+#[derive(Debug, thiserror::Error)]
+#[error("activation refused: {reason}")]
+pub struct ActivationRefused {
+    pub digest: Option<String>,
+    pub reason: String,
+}
+
+fn refuse(digest: Option<&str>, reason: impl Into<String>) -> ActivationRefused {
+    let reason = reason.into();
+    ActivationRefused {
+        reason: match digest {
+            Some(digest) => format!("component {digest}: {reason}"),
+            None => reason,
+        },
+        digest: digest.map(str::to_string),
+    }
+}
+
+/// One activation asked for.
+#[derive(Clone, Debug)]
+pub struct ActivationRequest {
+    pub agent: String,
+    /// [`RUNNER_ROLE`] or a tool component's name.
+    pub role: String,
+    pub source: VersionSource,
+    pub mode: ActivationMode,
+    pub upgrade_in_flight: bool,
+    pub actor: String,
+    pub reason: String,
+}
+
+/// The engine a worker of `config` runs, so that what verification
+/// compiles is what the workers find in the cache.
+pub fn config_engine(config: &DexaConfig) -> anyhow::Result<SandboxEngine> {
+    SandboxEngine::new(SandboxConfig {
+        cache_dir: Some(config.cache_dir.clone()),
+        // Metering slows every guest, so it is on only when asked for.
+        consume_fuel: config.components.values().any(|c| c.limits.fuel.is_some()),
+        ..SandboxConfig::default()
+    })
+}
+
+/// The component of `dexa.toml` that plays `role` for `agent`.
+pub fn role_component<'a>(
+    config: &'a DexaConfig,
+    agent: &str,
+    role: &str,
+) -> Result<&'a ComponentConfig, String> {
+    let agent_config = config.agents.get(agent).ok_or_else(|| {
+        let known: Vec<&String> = config.agents.keys().collect();
+        format!("there is no agent {agent:?}; the agents are {known:?}")
+    })?;
+    let name = if role == RUNNER_ROLE {
+        &agent_config.runner
+    } else if agent_config.tools.iter().any(|t| t == role) {
+        role
+    } else {
+        return Err(format!(
+            "agent {agent:?} has no tool component {role:?}; its tool components are {:?}",
+            agent_config.tools
+        ));
+    };
+    config
+        .components
+        .get(name)
+        .ok_or_else(|| format!("component {name:?} is not in dexa.toml"))
+}
+
+/// Verifies `wasm` for `role` (it compiles, matches its world, is
+/// pre-instantiated and, for a tool, answers `list-tools` with tools no other
+/// tool component of the agent serves), then adds it to the catalog. Returns
+/// its record.
+pub async fn verify_and_add(
+    config: &DexaConfig,
+    engine: &SandboxEngine,
+    catalog: &dyn CatalogStore,
+    agent: &str,
+    role: &str,
+    wasm: Vec<u8>,
+    actor: &str,
+) -> Result<ComponentRecord, ActivationRefused> {
+    let digest = sha256_hex(&wasm);
+    let component = role_component(config, agent, role).map_err(|r| refuse(Some(&digest), r))?;
+    let settings = super::deploy::settings(config, component)
+        .map_err(|err| refuse(Some(&digest), format!("{err:#}")))?;
+    let record = if role == RUNNER_ROLE {
+        let runner = engine
+            .load_runner(&wasm, settings)
+            .map_err(|err| refuse(Some(&digest), err.to_string()))?;
+        runner_record(&runner, wasm.len(), actor)
+    } else {
+        let tool = engine
+            .load_tool(&wasm, settings)
+            .await
+            .map_err(|err| refuse(Some(&digest), err.to_string()))?;
+        let record = tool_record(&tool, wasm.len(), actor);
+        check_collisions(config, catalog, agent, role, &record).await?;
+        record
+    };
+    catalog
+        .add_component(record.clone(), wasm)
+        .await
+        .map_err(|err| refuse(Some(&digest), format!("the store refused it: {err}")))?;
+    Ok(record)
+}
+
+/// Refuses a tool version that serves a tool another tool component of the
+/// agent serves in any version active now.
+async fn check_collisions(
+    config: &DexaConfig,
+    catalog: &dyn CatalogStore,
+    agent: &str,
+    role: &str,
+    record: &ComponentRecord,
+) -> Result<(), ActivationRefused> {
+    let digest = record.digest.as_str();
+    let unavailable = |err| refuse(Some(digest), format!("the catalog is unreadable: {err}"));
+    let states = RoleStates::from_log(
+        &catalog
+            .activations(Some(agent))
+            .await
+            .map_err(unavailable)?,
+    );
+    let others = config
+        .agents
+        .get(agent)
+        .map(|a| {
+            a.tools
+                .iter()
+                .filter(|t| *t != role)
+                .cloned()
+                .collect::<Vec<_>>()
+        })
+        .unwrap_or_default();
+    for other in others {
+        let Some(state) = states.role(agent, &other) else {
+            continue;
+        };
+        for active in state.active() {
+            let Some(theirs) = catalog.component(active).await.map_err(unavailable)? else {
+                continue;
+            };
+            for tool in &record.tools {
+                if theirs.tools.iter().any(|t| t.name == tool.name) {
+                    return Err(refuse(
+                        Some(digest),
+                        format!(
+                            "its tool {:?} is also served by tool component {other:?} (version {})",
+                            tool.name,
+                            short_digest(active)
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn read_file(path: &Path) -> Result<Vec<u8>, ActivationRefused> {
+    std::fs::read(path)
+        .map_err(|err| refuse(None, format!("cannot read {}: {err}", path.display())))
+}
+
+/// Verifies and activates a version: the log gains one entry, or, refused,
+/// nothing changes.
+pub async fn activate(
+    config: &DexaConfig,
+    engine: &SandboxEngine,
+    catalog: &dyn CatalogStore,
+    request: ActivationRequest,
+) -> Result<Activation, ActivationRefused> {
+    let wasm = match &request.source {
+        VersionSource::File(path) => read_file(path)?,
+        VersionSource::Digest(digest) => match catalog.component_bytes(digest).await {
+            Ok(Some(bytes)) => bytes,
+            Ok(None) => return Err(refuse(Some(digest), "it is not in the registry")),
+            Err(err) => return Err(refuse(Some(digest), format!("the store: {err}"))),
+        },
+    };
+    let record = verify_and_add(
+        config,
+        engine,
+        catalog,
+        &request.agent,
+        &request.role,
+        wasm,
+        &request.actor,
+    )
+    .await?;
+    activation_test_pause();
+    let appended = catalog
+        .activate(
+            NewActivation {
+                agent: request.agent,
+                role: request.role,
+                digest: record.digest.clone(),
+                mode: request.mode,
+                upgrade_in_flight: request.upgrade_in_flight,
+                actor: request.actor,
+                reason: request.reason,
+            },
+            ActivateIf::Always,
+        )
+        .await;
+    match appended {
+        Ok(Some(activation)) => Ok(activation),
+        Ok(None) => Err(refuse(Some(&record.digest), "the log did not take it")),
+        Err(CatalogError::NoSuchComponent { digest }) => Err(refuse(
+            Some(&digest),
+            "it left the registry before it was activated (a gc ran meanwhile); add it again",
+        )),
+        Err(err) => Err(refuse(Some(&record.digest), err.to_string())),
+    }
+}
+
+/// Test hook: with `DEXA_TEST_ACTIVATION_PAUSE=<file>` set, an activation
+/// that has added its version waits here until `<file>` exists, so that a
+/// test can SIGKILL it between the add and the log entry.
+fn activation_test_pause() {
+    let Some(gate) = std::env::var_os("DEXA_TEST_ACTIVATION_PAUSE") else {
+        return;
+    };
+    let gate = std::path::PathBuf::from(gate);
+    let _ = std::fs::write(gate.with_extension("reached"), b"");
+    while !gate.exists() {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
+/// Adds the config's file version of one role and activates it as actor
+/// `config` when the file changed since the role's last `config` activation.
+pub async fn bootstrap_role(
+    catalog: &dyn CatalogStore,
+    agent: &str,
+    role: &str,
+    record: ComponentRecord,
+    wasm: Vec<u8>,
+    path: &Path,
+) -> Result<Option<Activation>, CatalogError> {
+    let digest = record.digest.clone();
+    catalog.add_component(record, wasm).await?;
+    catalog
+        .activate(
+            NewActivation {
+                agent: agent.to_string(),
+                role: role.to_string(),
+                digest,
+                mode: ActivationMode::Current,
+                upgrade_in_flight: false,
+                actor: CONFIG_ACTOR.to_string(),
+                reason: format!("dexa.toml names {}", path.display()),
+            },
+            ActivateIf::ConfigChanged,
+        )
+        .await
+}
+
+/// The loader a worker of `config` uses, with `settings` by component name.
+pub fn loader(
+    config: &DexaConfig,
+    engine: SandboxEngine,
+    settings: BTreeMap<String, ComponentSettings>,
+) -> Arc<ConfigLoader> {
+    Arc::new(ConfigLoader {
+        engine,
+        settings,
+        runners: config
+            .agents
+            .values()
+            .map(|a| (a.name.clone(), a.runner.clone()))
+            .collect(),
+    })
+}

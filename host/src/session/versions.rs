@@ -1,0 +1,307 @@
+//! The catalog's versions as one worker sees them: the activation log,
+//! re-read when a Step asks and the last read is older than
+//! [`ActivationWatch::REFRESH`], and the versions loaded so far, by digest.
+//!
+//! A Step never falls back to another version: a pinned digest whose bytes
+//! are missing fails the Step with [`VersionError::Missing`].
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use tokio::sync::OnceCell;
+
+use super::components::{Hop, PinnedRunner, ServedTool, ToolSet, VersionError};
+use crate::catalog::{short_digest, CatalogStore, RoleState, RoleStates, RUNNER_ROLE};
+use crate::plugin::{RunnerComponent, ToolComponent};
+
+/// Builds a loaded component from a version's bytes, with the settings
+/// (grants, limits, config) the operator gave the role.
+#[async_trait]
+pub trait ComponentLoader: Send + Sync {
+    async fn load_runner(
+        &self,
+        agent: &str,
+        digest: &str,
+        wasm: Vec<u8>,
+    ) -> Result<RunnerComponent, String>;
+    async fn load_tool(
+        &self,
+        agent: &str,
+        role: &str,
+        digest: &str,
+        wasm: Vec<u8>,
+    ) -> Result<ToolComponent, String>;
+}
+
+/// The activation log, folded, shared by every agent of a worker.
+pub struct ActivationWatch {
+    catalog: Arc<dyn CatalogStore>,
+    seen: tokio::sync::Mutex<(Arc<RoleStates>, Option<Instant>)>,
+}
+
+impl ActivationWatch {
+    /// How stale a worker's view of the log may be: an activation reaches
+    /// every new turn within this (well inside the promised second).
+    pub const REFRESH: Duration = Duration::from_millis(250);
+
+    pub fn new(catalog: Arc<dyn CatalogStore>) -> Self {
+        Self {
+            catalog,
+            seen: tokio::sync::Mutex::new((Arc::new(RoleStates::default()), None)),
+        }
+    }
+
+    /// The log as of at most [`Self::REFRESH`] ago.
+    pub async fn current(&self) -> Result<Arc<RoleStates>, VersionError> {
+        let mut seen = self.seen.lock().await;
+        if seen.1.is_some_and(|at| at.elapsed() < Self::REFRESH) {
+            return Ok(seen.0.clone());
+        }
+        let newer = self
+            .catalog
+            .activations_after(seen.0.last_seq)
+            .await
+            .map_err(|err| {
+                VersionError::Unavailable(format!("the activation log is unreadable: {err}"))
+            })?;
+        if !newer.is_empty() {
+            let mut states = (*seen.0).clone();
+            for activation in &newer {
+                states.apply(activation);
+            }
+            seen.0 = Arc::new(states);
+        }
+        seen.1 = Some(Instant::now());
+        Ok(seen.0.clone())
+    }
+}
+
+type Cell<T> = Arc<OnceCell<Arc<T>>>;
+
+/// One agent's versions from the catalog.
+pub struct CatalogVersions {
+    agent: String,
+    tool_roles: Vec<String>,
+    watch: Arc<ActivationWatch>,
+    catalog: Arc<dyn CatalogStore>,
+    loader: Arc<dyn ComponentLoader>,
+    runners: Mutex<HashMap<String, Cell<RunnerComponent>>>,
+    tools: Mutex<HashMap<(String, String), Cell<ToolComponent>>>,
+    sets: Mutex<HashMap<Vec<String>, Arc<ToolSet>>>,
+}
+
+impl CatalogVersions {
+    pub fn new(
+        agent: impl Into<String>,
+        tool_roles: Vec<String>,
+        watch: Arc<ActivationWatch>,
+        catalog: Arc<dyn CatalogStore>,
+        loader: Arc<dyn ComponentLoader>,
+    ) -> Self {
+        Self {
+            agent: agent.into(),
+            tool_roles,
+            watch,
+            catalog,
+            loader,
+            runners: Mutex::new(HashMap::new()),
+            tools: Mutex::new(HashMap::new()),
+            sets: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Hands over a runner already loaded (from `dexa.toml`'s file).
+    pub fn preloaded_runner(&self, runner: Arc<RunnerComponent>) {
+        let digest = runner.info().sha256.clone();
+        let cell = self.runner_cell(&digest);
+        let _ = cell.set(runner);
+    }
+
+    /// Hands over a tool component already loaded (from `dexa.toml`'s file).
+    pub fn preloaded_tool(&self, role: &str, tool: Arc<ToolComponent>) {
+        let digest = tool.info().sha256.clone();
+        let cell = self.tool_cell(role, &digest);
+        let _ = cell.set(tool);
+    }
+
+    /// Loads every version a new turn may take now, so the first turn after
+    /// a start does not compile.
+    pub async fn preload(&self) -> Result<(), VersionError> {
+        let states = self.watch.current().await?;
+        if let Some(role) = states.role(&self.agent, RUNNER_ROLE) {
+            for digest in role.active() {
+                self.runner(digest).await?;
+            }
+        }
+        for role_name in &self.tool_roles {
+            if let Some(role) = states.role(&self.agent, role_name) {
+                for digest in role.active() {
+                    self.tool(role_name, digest).await?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn runner_cell(&self, digest: &str) -> Cell<RunnerComponent> {
+        let mut runners = self.runners.lock().unwrap_or_else(|p| p.into_inner());
+        runners.entry(digest.to_string()).or_default().clone()
+    }
+
+    fn tool_cell(&self, role: &str, digest: &str) -> Cell<ToolComponent> {
+        let mut tools = self.tools.lock().unwrap_or_else(|p| p.into_inner());
+        tools
+            .entry((role.to_string(), digest.to_string()))
+            .or_default()
+            .clone()
+    }
+
+    fn role<'a>(&self, states: &'a RoleStates, role: &str) -> Result<&'a RoleState, VersionError> {
+        states
+            .role(&self.agent, role)
+            .filter(|state| state.current.is_some() || state.ramp.is_some())
+            .ok_or_else(|| {
+                VersionError::Missing(format!(
+                    "agent {:?} has no active version of its {role}",
+                    self.agent
+                ))
+            })
+    }
+
+    async fn bytes(&self, role: &str, digest: &str) -> Result<Vec<u8>, VersionError> {
+        match self.catalog.component_bytes(digest).await {
+            Ok(Some(bytes)) => Ok(bytes),
+            Ok(None) => Err(VersionError::Missing(format!(
+                "the {role} version {digest} of agent {:?} is not in the registry (its bytes \
+                 are missing); the Step fails rather than run another version",
+                self.agent
+            ))),
+            Err(err) => Err(VersionError::Unavailable(format!(
+                "the bytes of version {digest} are unreadable: {err}"
+            ))),
+        }
+    }
+
+    pub(crate) async fn new_turn_runner(
+        &self,
+        session_id: &str,
+    ) -> Result<PinnedRunner, VersionError> {
+        let states = self.watch.current().await?;
+        let role = self.role(&states, RUNNER_ROLE)?;
+        let digest = role
+            .choose(session_id)
+            .map(str::to_string)
+            .ok_or_else(|| VersionError::Missing("no runner version is active".into()))?;
+        let runner = self.runner(&digest).await?;
+        Ok(PinnedRunner { digest, runner })
+    }
+
+    pub(crate) async fn runner(&self, digest: &str) -> Result<Arc<RunnerComponent>, VersionError> {
+        let cell = self.runner_cell(digest);
+        cell.get_or_try_init(|| async {
+            let bytes = self.bytes(RUNNER_ROLE, digest).await?;
+            let runner = self
+                .loader
+                .load_runner(&self.agent, digest, bytes)
+                .await
+                .map_err(|reason| {
+                    VersionError::Invalid(format!(
+                        "runner version {digest} does not load: {reason}"
+                    ))
+                })?;
+            Ok(Arc::new(runner))
+        })
+        .await
+        .cloned()
+    }
+
+    pub(crate) async fn tool(
+        &self,
+        role: &str,
+        digest: &str,
+    ) -> Result<Arc<ToolComponent>, VersionError> {
+        let cell = self.tool_cell(role, digest);
+        cell.get_or_try_init(|| async {
+            let bytes = self.bytes(role, digest).await?;
+            let tool = self
+                .loader
+                .load_tool(&self.agent, role, digest, bytes)
+                .await
+                .map_err(|reason| {
+                    VersionError::Invalid(format!(
+                        "tool component {role:?} version {digest} does not load: {reason}"
+                    ))
+                })?;
+            Ok(Arc::new(tool))
+        })
+        .await
+        .cloned()
+    }
+
+    pub(crate) async fn forward_fix(
+        &self,
+        session_id: &str,
+        pinned: &str,
+    ) -> Result<Option<Hop>, VersionError> {
+        let states = self.watch.current().await?;
+        let role = self.role(&states, RUNNER_ROLE)?;
+        let Some(last) = role.last.as_ref().filter(|_| role.upgrades_in_flight()) else {
+            return Ok(None);
+        };
+        match role.choose(session_id) {
+            Some(target) if target != pinned => Ok(Some(Hop {
+                to: target.to_string(),
+                why: format!(
+                    "activation {} of {} by {} moves turns in flight{}",
+                    last.seq,
+                    short_digest(&last.digest),
+                    last.actor,
+                    if last.reason.is_empty() {
+                        String::new()
+                    } else {
+                        format!(": {}", last.reason)
+                    }
+                ),
+            })),
+            _ => Ok(None),
+        }
+    }
+
+    pub(crate) async fn tool_set(&self, session_id: &str) -> Result<Arc<ToolSet>, VersionError> {
+        let states = self.watch.current().await?;
+        let mut digests = Vec::with_capacity(self.tool_roles.len());
+        for role_name in &self.tool_roles {
+            let role = self.role(&states, role_name)?;
+            let digest = role.choose(session_id).unwrap_or_default();
+            digests.push(digest.to_string());
+        }
+        if let Some(set) = self
+            .sets
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&digests)
+        {
+            return Ok(set.clone());
+        }
+        let mut served = Vec::with_capacity(digests.len());
+        for (role, digest) in self.tool_roles.iter().zip(&digests) {
+            served.push(ServedTool {
+                role: role.clone(),
+                digest: digest.clone(),
+                component: self.tool(role, digest).await?,
+            });
+        }
+        let set = Arc::new(ToolSet::new(served).map_err(|err| {
+            VersionError::Invalid(format!(
+                "the tool versions active for this session do not fit together: {err}"
+            ))
+        })?);
+        self.sets
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(digests, set.clone());
+        Ok(set)
+    }
+}

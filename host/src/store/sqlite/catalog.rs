@@ -1,0 +1,272 @@
+//! The component catalog on SQLite: the `components` table (records and
+//! bytes) and the `activations` log.
+
+use async_trait::async_trait;
+use rusqlite::{params, Connection, OptionalExtension};
+
+use super::{backend, cached_execute, cached_query_row, SqliteStore};
+use crate::catalog::{
+    ActivateIf, Activation, ActivationMode, CatalogError, CatalogStore, ComponentRecord,
+    NewActivation, CONFIG_ACTOR,
+};
+use crate::flow::{StoreError, StoreMillis};
+
+const ACTIVATION_COLUMNS: &str =
+    "seq, agent, role, digest, mode, percent, upgrade_in_flight, actor, reason, at_ms";
+
+fn activation_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<(Activation, String, Option<u8>)> {
+    Ok((
+        Activation {
+            seq: row.get(0)?,
+            agent: row.get(1)?,
+            role: row.get(2)?,
+            digest: row.get(3)?,
+            mode: ActivationMode::Current,
+            upgrade_in_flight: row.get(6)?,
+            actor: row.get(7)?,
+            reason: row.get(8)?,
+            at: row.get(9)?,
+        },
+        row.get(4)?,
+        row.get(5)?,
+    ))
+}
+
+fn to_activation(
+    (mut activation, mode, percent): (Activation, String, Option<u8>),
+) -> Result<Activation, StoreError> {
+    activation.mode = match (mode.as_str(), percent) {
+        ("current", _) => ActivationMode::Current,
+        ("ramp", Some(percent)) => ActivationMode::Ramp(percent),
+        _ => {
+            return Err(StoreError::Corrupt(format!(
+                "activation {} has mode {mode:?} ({percent:?} %)",
+                activation.seq
+            )))
+        }
+    };
+    Ok(activation)
+}
+
+fn query_activations(
+    conn: &Connection,
+    sql: &str,
+    params: impl rusqlite::Params,
+) -> Result<Vec<Activation>, StoreError> {
+    let mut stmt = conn.prepare_cached(sql).map_err(backend)?;
+    let rows = stmt
+        .query_map(params, activation_row)
+        .map_err(backend)?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(backend)?;
+    rows.into_iter().map(to_activation).collect()
+}
+
+fn to_record(digest: &str, text: String) -> Result<ComponentRecord, StoreError> {
+    serde_json::from_str(&text)
+        .map_err(|err| StoreError::Corrupt(format!("the record of component {digest}: {err}")))
+}
+
+/// Appends `activation` unless `only_if` holds it back; the caller's
+/// transaction makes the check and the append one step.
+fn append(
+    conn: &Connection,
+    now: StoreMillis,
+    activation: NewActivation,
+    only_if: ActivateIf,
+) -> Result<Option<Activation>, CatalogError> {
+    let known = cached_query_row(
+        conn,
+        "SELECT 1 FROM components WHERE digest = ?1",
+        params![activation.digest],
+        |_| Ok(()),
+    )
+    .optional()
+    .map_err(backend)?;
+    if known.is_none() {
+        return Err(CatalogError::NoSuchComponent {
+            digest: activation.digest,
+        });
+    }
+    if only_if == ActivateIf::ConfigChanged {
+        let last_by_config: Option<String> = cached_query_row(
+            conn,
+            "SELECT digest FROM activations WHERE agent = ?1 AND role = ?2 AND actor = ?3
+             ORDER BY seq DESC LIMIT 1",
+            params![activation.agent, activation.role, CONFIG_ACTOR],
+            |row| row.get(0),
+        )
+        .optional()
+        .map_err(backend)?;
+        if last_by_config.as_deref() == Some(activation.digest.as_str()) {
+            return Ok(None);
+        }
+    }
+    let (mode, percent) = match activation.mode {
+        ActivationMode::Current => ("current", None),
+        ActivationMode::Ramp(percent) => ("ramp", Some(percent)),
+    };
+    cached_execute(
+        conn,
+        "INSERT INTO activations (agent, role, digest, mode, percent, upgrade_in_flight, actor, reason, at_ms)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+        params![
+            activation.agent,
+            activation.role,
+            activation.digest,
+            mode,
+            percent,
+            activation.upgrade_in_flight,
+            activation.actor,
+            activation.reason,
+            now
+        ],
+    )
+    .map_err(backend)?;
+    Ok(Some(Activation {
+        seq: conn.last_insert_rowid(),
+        agent: activation.agent,
+        role: activation.role,
+        digest: activation.digest,
+        mode: activation.mode,
+        upgrade_in_flight: activation.upgrade_in_flight,
+        actor: activation.actor,
+        reason: activation.reason,
+        at: now,
+    }))
+}
+
+#[async_trait]
+impl CatalogStore for SqliteStore {
+    async fn add_component(
+        &self,
+        mut record: ComponentRecord,
+        bytes: Vec<u8>,
+    ) -> Result<bool, StoreError> {
+        self.write_quietly(move |conn, now| {
+            record.added_at = now;
+            let text = serde_json::to_string(&record)
+                .map_err(|err| StoreError::Corrupt(format!("a component record: {err}")))?;
+            let added = cached_execute(
+                conn,
+                "INSERT INTO components (digest, record, bytes) VALUES (?1, ?2, ?3)
+                 ON CONFLICT (digest) DO NOTHING",
+                params![record.digest, text, bytes],
+            )
+            .map_err(backend)?;
+            Ok(added == 1)
+        })
+        .await
+    }
+
+    async fn component(&self, digest: &str) -> Result<Option<ComponentRecord>, StoreError> {
+        let digest = digest.to_string();
+        self.read(move |conn, _| {
+            let text: Option<String> = cached_query_row(
+                conn,
+                "SELECT record FROM components WHERE digest = ?1",
+                params![digest],
+                |row| row.get(0),
+            )
+            .optional()
+            .map_err(backend)?;
+            text.map(|text| to_record(&digest, text)).transpose()
+        })
+        .await
+    }
+
+    async fn component_bytes(&self, digest: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        let digest = digest.to_string();
+        self.read_blocking(move |conn, _| {
+            cached_query_row(
+                conn,
+                "SELECT bytes FROM components WHERE digest = ?1",
+                params![digest],
+                |row| row.get(0),
+            )
+            .optional()
+            .map_err(backend)
+        })
+        .await
+    }
+
+    async fn list_components(&self) -> Result<Vec<ComponentRecord>, StoreError> {
+        self.read_blocking(|conn, _| {
+            let mut stmt = conn
+                .prepare_cached("SELECT digest, record FROM components")
+                .map_err(backend)?;
+            let rows = stmt
+                .query_map([], |row| Ok((row.get::<_, String>(0)?, row.get(1)?)))
+                .map_err(backend)?
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(backend)?;
+            let mut records = rows
+                .into_iter()
+                .map(|(digest, text)| to_record(&digest, text))
+                .collect::<Result<Vec<_>, _>>()?;
+            records.sort_by_key(|r| (r.added_at, r.digest.clone()));
+            Ok(records)
+        })
+        .await
+    }
+
+    async fn remove_components(&self, digests: &[String]) -> Result<u64, StoreError> {
+        let digests = digests.to_vec();
+        self.write_quietly(move |conn, _| {
+            let mut removed = 0;
+            for digest in &digests {
+                removed += cached_execute(
+                    conn,
+                    "DELETE FROM components WHERE digest = ?1",
+                    params![digest],
+                )
+                .map_err(backend)? as u64;
+            }
+            Ok(removed)
+        })
+        .await
+    }
+
+    async fn activate(
+        &self,
+        activation: NewActivation,
+        only_if: ActivateIf,
+    ) -> Result<Option<Activation>, CatalogError> {
+        self.write_job(false, move |conn, now| {
+            append(conn, now, activation, only_if)
+        })
+        .await
+    }
+
+    async fn activations(&self, agent: Option<&str>) -> Result<Vec<Activation>, StoreError> {
+        let agent = agent.map(str::to_string);
+        self.read(move |conn, _| match agent {
+            Some(agent) => query_activations(
+                conn,
+                &format!(
+                    "SELECT {ACTIVATION_COLUMNS} FROM activations WHERE agent = ?1 ORDER BY seq"
+                ),
+                params![agent],
+            ),
+            None => query_activations(
+                conn,
+                &format!("SELECT {ACTIVATION_COLUMNS} FROM activations ORDER BY seq"),
+                [],
+            ),
+        })
+        .await
+    }
+
+    async fn activations_after(&self, seq: i64) -> Result<Vec<Activation>, StoreError> {
+        self.read(move |conn, _| {
+            query_activations(
+                conn,
+                &format!(
+                    "SELECT {ACTIVATION_COLUMNS} FROM activations WHERE seq > ?1 ORDER BY seq"
+                ),
+                params![seq],
+            )
+        })
+        .await
+    }
+}
