@@ -63,10 +63,10 @@ impl ApiServer {
                 .unwrap_or_else(|err| panic!("deployment: {err:#}")),
         );
         let worker = tokio::spawn(deployment.worker().run(std::future::pending()));
-        let app = router(ApiState {
-            deployment: deployment.clone(),
-            token: Some(Arc::new(TEST_TOKEN.to_string())),
-        });
+        let app = router(ApiState::new(
+            deployment.clone(),
+            Some(Arc::new(TEST_TOKEN.to_string())),
+        ));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .unwrap_or_else(|err| panic!("bind: {err}"));

@@ -494,7 +494,7 @@ async fn every_operation_in_the_openapi_document_is_routed_and_every_ref_resolve
             );
         }
     }
-    assert_eq!(operations, 10);
+    assert_eq!(operations, 15);
     fn refs(value: &Value, out: &mut Vec<String>) {
         match value {
             Value::Object(map) => {

@@ -7,6 +7,7 @@ pub mod error;
 pub mod limits;
 pub mod listener;
 pub mod openapi;
+mod versions;
 mod viewer;
 
 use std::collections::VecDeque;
@@ -57,6 +58,19 @@ pub struct ApiState {
     pub deployment: Arc<Deployment>,
     /// The bearer token; none turns auth off (tests and loopback demos only).
     pub token: Option<Arc<String>>,
+    /// The sandbox engine that verifies versions before activation, made on
+    /// first use.
+    engine: versions::EngineCell,
+}
+
+impl ApiState {
+    pub fn new(deployment: Arc<Deployment>, token: Option<Arc<String>>) -> Self {
+        Self {
+            deployment,
+            token,
+            engine: Default::default(),
+        }
+    }
 }
 
 /// The whole application: the API, the OpenAPI document and health.
@@ -77,6 +91,7 @@ pub fn router(state: ApiState) -> Router {
         .route("/v1/sessions/{session_id}/stop", post(stop_session))
         .route("/v1/sessions/{session_id}/history", get(step_history))
         .route("/v1/sessions/{session_id}/events", get(events))
+        .merge(versions::routes())
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             require_token,

@@ -122,6 +122,42 @@ pub fn document() -> Value {
                 "parameters": [session_param()],
                 "responses": with_errors(json!({"200": json_ok("The Step history", "StepHistory")}), &[401, 404])
             }},
+            "/v1/components": {
+                "get": {
+                    "operationId": "listComponents", "summary": "The component catalog: every version, by SHA-256",
+                    "responses": with_errors(json!({"200": json_ok("The versions", "ComponentList")}), &[401])
+                },
+                "post": {
+                    "operationId": "uploadComponent",
+                    "summary": "Verify a runner or tool component (its world, compiled, pre-instantiated, list-tools) and add it; idempotent by digest",
+                    "requestBody": {"required": true, "content": {"application/wasm": {"schema": {"type": "string", "format": "binary"}}}},
+                    "responses": with_errors(json!({
+                        "201": json_ok("Added", "ComponentAdded"),
+                        "200": json_ok("Already in the catalog", "ComponentAdded")
+                    }), &[400, 401, 413, 422])
+                }
+            },
+            "/v1/agents/{agent}/versions": {"get": {
+                "operationId": "getAgentVersions", "summary": "The agent's activation log and what each role takes now",
+                "parameters": [{"name": "agent", "in": "path", "required": true, "schema": {"type": "string"}}],
+                "responses": with_errors(json!({"200": json_ok("Versions", "AgentVersions")}), &[401, 404])
+            }},
+            "/v1/agents/{agent}/activations": {"post": {
+                "operationId": "activateVersion",
+                "summary": "Verify an uploaded version for a role and activate it for new turns (or a ramp); a refusal (422) changes nothing",
+                "parameters": [{"name": "agent", "in": "path", "required": true, "schema": {"type": "string"}},
+                    {"name": "X-Dexa-Actor", "in": "header", "required": false, "description": "Who the log records (default `api`)", "schema": {"type": "string", "maxLength": 200}}],
+                "requestBody": json_body("Activate"),
+                "responses": with_errors(json!({"201": json_ok("Activated", "Activated")}), &[400, 401, 404, 413, 422])
+            }},
+            "/v1/agents/{agent}/rollback": {"post": {
+                "operationId": "rollBack",
+                "summary": "Activate the version that was current before (or end a ramp)",
+                "parameters": [{"name": "agent", "in": "path", "required": true, "schema": {"type": "string"}},
+                    {"name": "X-Dexa-Actor", "in": "header", "required": false, "schema": {"type": "string", "maxLength": 200}}],
+                "requestBody": json_body("Rollback"),
+                "responses": with_errors(json!({"201": json_ok("Activated", "Activated")}), &[400, 401, 404, 409, 413, 422])
+            }},
             "/v1/sessions/{session_id}/events": {"get": {
                 "operationId": "streamEvents",
                 "summary": "Server-Sent Events: id is the event's sequence, event its type, data the AgentEvent; resume with Last-Event-ID",
@@ -143,7 +179,7 @@ pub fn document() -> Value {
 fn schemas() -> Value {
     json!({
         "Error": {"type": "object", "required": ["error"], "properties": {"error": {"type": "object", "required": ["code", "message"], "properties": {
-            "code": {"type": "string", "enum": ["bad_request", "unauthorized", "not_found", "already_exists", "conflict", "not_running", "busy", "method_not_allowed", "store_unavailable", "internal", "payload_too_large", "message_too_large", "invalid_idempotency_key", "idempotency_key_reused"]},
+            "code": {"type": "string", "enum": ["bad_request", "unauthorized", "not_found", "already_exists", "conflict", "not_running", "busy", "method_not_allowed", "store_unavailable", "internal", "payload_too_large", "message_too_large", "invalid_idempotency_key", "idempotency_key_reused", "activation_refused", "nothing_to_roll_back"]},
             "message": {"type": "string"}}}}},
         "AgentList": {"type": "object", "properties": {"agents": {"type": "array", "items": {"type": "object", "properties": {
             "name": {"type": "string"}, "runner": {"type": "string"}, "tool_components": {"type": "array", "items": {"type": "string"}}, "model": {"type": ["string", "null"]}}}}}},
@@ -172,7 +208,9 @@ fn schemas() -> Value {
             "effect": {"type": "string", "enum": ["read", "idempotent_write", "non_idempotent_write", "unclassified"]},
             "requires_approval": {"type": "boolean"},
             "status": {"type": "string", "enum": ["pending", "approved", "rejected", "succeeded", "failed", "outcome_unknown"]},
-            "output": {"type": ["string", "null"]}, "error": {"type": ["string", "null"]}, "rejection_message": {"type": ["string", "null"]}, "deferral_order": {"type": "integer"}}},
+            "output": {"type": ["string", "null"]}, "error": {"type": ["string", "null"]}, "rejection_message": {"type": ["string", "null"]}, "deferral_order": {"type": "integer"},
+            "component": {"type": "string", "description": "The tool component that runs it; absent when the runner does"},
+            "digest": {"type": "string", "description": "The version it is pinned to (decided at deferral)"}}},
         "AgentSnapshot": {"type": "object", "properties": {
             "session_id": {"type": "string"}, "agent": {"type": "string"}, "flow_status": {"$ref": "#/components/schemas/FlowStatus"},
             "state": {"type": ["object", "null"]},
@@ -186,6 +224,31 @@ fn schemas() -> Value {
             "at": {"type": "integer", "description": "when the reported attempt ended (ms)"},
             "started_at": {"type": ["integer", "null"], "description": "when the reported attempt started (ms)"},
             "detail": {"type": ["string", "null"]}}}}}},
+        "ComponentRecord": {"type": "object", "required": ["digest", "world", "wit_package", "tools", "size", "added_at", "added_by"], "properties": {
+            "digest": {"type": "string", "description": "SHA-256 of the bytes, hex"}, "world": {"type": "string", "enum": ["runner", "tool"]},
+            "wit_package": {"type": "string"}, "size": {"type": "integer"}, "added_at": {"type": "integer"}, "added_by": {"type": "string"},
+            "tools": {"type": "array", "items": {"type": "object", "properties": {"name": {"type": "string"}, "effect": {"type": ["string", "null"]}}}}}},
+        "ComponentList": {"type": "object", "properties": {"components": {"type": "array", "items": {"$ref": "#/components/schemas/ComponentRecord"}}}},
+        "ComponentAdded": {"type": "object", "properties": {"component": {"$ref": "#/components/schemas/ComponentRecord"}, "added": {"type": "boolean"}}},
+        "Activation": {"type": "object", "properties": {
+            "seq": {"type": "integer"}, "agent": {"type": "string"}, "role": {"type": "string"}, "digest": {"type": "string"},
+            "mode": {"type": "string", "enum": ["current", "ramp"]}, "percent": {"type": "integer", "description": "Only for a ramp"},
+            "upgrade_in_flight": {"type": "boolean"}, "actor": {"type": "string"}, "reason": {"type": "string"}, "at": {"type": "integer"}}},
+        "Activated": {"type": "object", "properties": {"activation": {"$ref": "#/components/schemas/Activation"}}},
+        "AgentVersions": {"type": "object", "properties": {
+            "agent": {"type": "string"},
+            "roles": {"type": "object", "additionalProperties": {"type": "object", "properties": {
+                "current": {"type": ["string", "null"]}, "ramp": {"type": ["object", "null"]}, "upgrade_in_flight": {"type": "boolean"}}}},
+            "log": {"type": "array", "items": {"$ref": "#/components/schemas/Activation"}}}},
+        "Activate": {"type": "object", "required": ["role", "digest"], "additionalProperties": false, "properties": {
+            "role": {"type": "string", "description": "`runner`, or a tool component's name in dexa.toml"},
+            "digest": {"type": "string", "description": "64 hex digits of an uploaded version"},
+            "ramp": {"type": "integer", "minimum": 1, "maximum": 99, "description": "Percent of sessions (stable by session id); absent: every new turn"},
+            "upgrade_in_flight": {"type": "boolean", "description": "Move turns pinned to another runner at their next RunModel"},
+            "reason": {"type": "string"}}},
+        "Rollback": {"type": "object", "additionalProperties": false, "properties": {
+            "role": {"type": "string", "description": "`runner` (default) or a tool component's name"},
+            "upgrade_in_flight": {"type": "boolean"}, "reason": {"type": "string"}}},
         "AgentEvent": {"type": "object", "properties": {
             "type": {"type": "string"}, "turn_id": {"type": "string"}, "step_execution_id": {"type": "string"}, "attempt": {"type": "integer"}, "data": {"type": "object"}}}
     })

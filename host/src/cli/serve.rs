@@ -131,10 +131,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         let worker = deployment.worker();
         tokio::spawn(worker.run(std::future::pending()))
     });
-    let app = router(ApiState {
-        deployment: deployment.clone(),
-        token: Some(Arc::new(token)),
-    });
+    let app = router(ApiState::new(deployment.clone(), Some(Arc::new(token))));
     let tcp = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;

@@ -8,13 +8,14 @@ use anyhow::{bail, Context};
 use clap::{Args, Subcommand};
 use serde_json::json;
 
-use crate::catalog::{short_digest, ActivationMode, RoleStates, RUNNER_ROLE};
-use crate::config::gc;
-use crate::config::versions::{
-    activate, config_engine, runner_record, tool_record, ActivationRequest, VersionSource,
+use crate::catalog::{ActivationMode, RUNNER_ROLE};
+use crate::config::activate::{
+    activate, add_component, rollback_reason, rollback_request, versions_report, ActivationRequest,
+    VersionSource,
 };
+use crate::config::gc;
+use crate::config::versions::{config_engine, role_component};
 use crate::config::{Deployment, DexaConfig};
-use crate::plugin::{ComponentSettings, LoadError};
 
 /// The config file and who acts.
 #[derive(Args, Debug)]
@@ -128,20 +129,14 @@ pub async fn add(args: AddArgs) -> anyhow::Result<()> {
     let engine = config_engine(&deployment.config)?;
     let wasm = std::fs::read(&args.path)
         .with_context(|| format!("cannot read {}", args.path.display()))?;
-    let settings = ComponentSettings::named(super::component_name(&args.path));
-    let actor = args.catalog.actor();
-    let record = match engine.load_runner(&wasm, settings.clone()) {
-        Ok(runner) => runner_record(&runner, wasm.len(), &actor),
-        Err(LoadError::WrongWorld { .. }) => {
-            let tool = engine.load_tool(&wasm, settings).await?;
-            tool_record(&tool, wasm.len(), &actor)
-        }
-        Err(err) => return Err(err.into()),
-    };
-    let added = deployment
-        .catalog
-        .add_component(record.clone(), wasm)
-        .await?;
+    let (record, added) = add_component(
+        &engine,
+        &*deployment.catalog,
+        wasm,
+        &super::component_name(&args.path),
+        &args.catalog.actor(),
+    )
+    .await?;
     print(
         json!({"digest": record.digest, "world": record.world, "added": added,
         "tools": record.tools}),
@@ -174,23 +169,7 @@ pub async fn versions(args: VersionsArgs) -> anyhow::Result<()> {
             args.catalog.config.display()
         );
     }
-    let log = deployment.catalog.activations(Some(&args.agent)).await?;
-    let states = RoleStates::from_log(&log);
-    let roles: serde_json::Map<String, serde_json::Value> = states
-        .roles
-        .iter()
-        .map(|((_, role), state)| {
-            (
-                role.clone(),
-                json!({
-                    "current": state.current,
-                    "ramp": state.ramp.as_ref().map(|(d, p)| json!({"digest": d, "percent": p})),
-                    "upgrade_in_flight": state.upgrades_in_flight(),
-                }),
-            )
-        })
-        .collect();
-    print(json!({"agent": args.agent, "roles": roles, "log": log}))
+    print(versions_report(&*deployment.catalog, &args.agent).await?)
 }
 
 fn split_tool(spec: &str) -> anyhow::Result<(String, String)> {
@@ -235,24 +214,9 @@ pub async fn activate_command(args: ActivateArgs) -> anyhow::Result<()> {
 pub async fn rollback(args: RollbackArgs) -> anyhow::Result<()> {
     let deployment = args.catalog.open()?;
     let role = args.tool.clone().unwrap_or_else(|| RUNNER_ROLE.to_string());
-    let log = deployment.catalog.activations(Some(&args.agent)).await?;
-    let states = RoleStates::from_log(&log);
-    let Some(target) = states
-        .role(&args.agent, &role)
-        .and_then(|s| s.rollback_target())
-        .map(str::to_string)
-    else {
-        bail!(
-            "agent {:?} ({role}) has no earlier version to roll back to",
-            args.agent
-        );
-    };
+    role_component(&deployment.config, &args.agent, &role).map_err(anyhow::Error::msg)?;
+    let target = rollback_request(&*deployment.catalog, &args.agent, &role).await?;
     let engine = config_engine(&deployment.config)?;
-    let reason = if args.reason.is_empty() {
-        format!("rollback to {}", short_digest(&target))
-    } else {
-        args.reason
-    };
     let activation = activate(
         &deployment.config,
         &engine,
@@ -260,11 +224,11 @@ pub async fn rollback(args: RollbackArgs) -> anyhow::Result<()> {
         ActivationRequest {
             agent: args.agent,
             role,
+            reason: rollback_reason(&target, args.reason),
             source: VersionSource::Digest(target),
             mode: ActivationMode::Current,
             upgrade_in_flight: args.upgrade_in_flight,
             actor: args.catalog.actor(),
-            reason,
         },
     )
     .await?;

@@ -17,10 +17,9 @@ use async_trait::async_trait;
 
 use super::{ComponentConfig, DexaConfig};
 use crate::catalog::{
-    short_digest, ActivateIf, Activation, ActivationMode, CatalogError, CatalogStore, CatalogTool,
-    ComponentRecord, NewActivation, RoleStates, CONFIG_ACTOR, RUNNER_ROLE,
+    ActivateIf, Activation, ActivationMode, CatalogError, CatalogStore, CatalogTool,
+    ComponentRecord, NewActivation, CONFIG_ACTOR, RUNNER_ROLE,
 };
-use crate::plugin::cache::sha256_hex;
 use crate::plugin::{
     ComponentSettings, RunnerComponent, SandboxConfig, SandboxEngine, ToolComponent, World,
 };
@@ -139,56 +138,6 @@ pub fn tool_record(tool: &ToolComponent, size: usize, actor: &str) -> ComponentR
     }
 }
 
-/// What an activation names: a file to add, or a version already added.
-#[derive(Clone, Debug)]
-pub enum VersionSource {
-    File(std::path::PathBuf),
-    Digest(String),
-}
-
-impl VersionSource {
-    /// A digest is 64 hex digits; anything else is a path.
-    pub fn parse(text: &str) -> Self {
-        if text.len() == 64 && text.bytes().all(|b| b.is_ascii_hexdigit()) {
-            VersionSource::Digest(text.to_ascii_lowercase())
-        } else {
-            VersionSource::File(text.into())
-        }
-    }
-}
-
-/// Why an activation was refused. The active version did not change.
-#[derive(Debug, thiserror::Error)]
-#[error("activation refused: {reason}")]
-pub struct ActivationRefused {
-    pub digest: Option<String>,
-    pub reason: String,
-}
-
-fn refuse(digest: Option<&str>, reason: impl Into<String>) -> ActivationRefused {
-    let reason = reason.into();
-    ActivationRefused {
-        reason: match digest {
-            Some(digest) => format!("component {digest}: {reason}"),
-            None => reason,
-        },
-        digest: digest.map(str::to_string),
-    }
-}
-
-/// One activation asked for.
-#[derive(Clone, Debug)]
-pub struct ActivationRequest {
-    pub agent: String,
-    /// [`RUNNER_ROLE`] or a tool component's name.
-    pub role: String,
-    pub source: VersionSource,
-    pub mode: ActivationMode,
-    pub upgrade_in_flight: bool,
-    pub actor: String,
-    pub reason: String,
-}
-
 /// The engine a worker of `config` runs, so that what verification
 /// compiles is what the workers find in the cache.
 pub fn config_engine(config: &DexaConfig) -> anyhow::Result<SandboxEngine> {
@@ -224,168 +173,6 @@ pub fn role_component<'a>(
         .components
         .get(name)
         .ok_or_else(|| format!("component {name:?} is not in dexa.toml"))
-}
-
-/// Verifies `wasm` for `role` (it compiles, matches its world, is
-/// pre-instantiated and, for a tool, answers `list-tools` with tools no other
-/// tool component of the agent serves), then adds it to the catalog. Returns
-/// its record.
-pub async fn verify_and_add(
-    config: &DexaConfig,
-    engine: &SandboxEngine,
-    catalog: &dyn CatalogStore,
-    agent: &str,
-    role: &str,
-    wasm: Vec<u8>,
-    actor: &str,
-) -> Result<ComponentRecord, ActivationRefused> {
-    let digest = sha256_hex(&wasm);
-    let component = role_component(config, agent, role).map_err(|r| refuse(Some(&digest), r))?;
-    let settings = super::deploy::settings(config, component)
-        .map_err(|err| refuse(Some(&digest), format!("{err:#}")))?;
-    let record = if role == RUNNER_ROLE {
-        let runner = engine
-            .load_runner(&wasm, settings)
-            .map_err(|err| refuse(Some(&digest), err.to_string()))?;
-        runner_record(&runner, wasm.len(), actor)
-    } else {
-        let tool = engine
-            .load_tool(&wasm, settings)
-            .await
-            .map_err(|err| refuse(Some(&digest), err.to_string()))?;
-        let record = tool_record(&tool, wasm.len(), actor);
-        check_collisions(config, catalog, agent, role, &record).await?;
-        record
-    };
-    catalog
-        .add_component(record.clone(), wasm)
-        .await
-        .map_err(|err| refuse(Some(&digest), format!("the store refused it: {err}")))?;
-    Ok(record)
-}
-
-/// Refuses a tool version that serves a tool another tool component of the
-/// agent serves in any version active now.
-async fn check_collisions(
-    config: &DexaConfig,
-    catalog: &dyn CatalogStore,
-    agent: &str,
-    role: &str,
-    record: &ComponentRecord,
-) -> Result<(), ActivationRefused> {
-    let digest = record.digest.as_str();
-    let unavailable = |err| refuse(Some(digest), format!("the catalog is unreadable: {err}"));
-    let states = RoleStates::from_log(
-        &catalog
-            .activations(Some(agent))
-            .await
-            .map_err(unavailable)?,
-    );
-    let others = config
-        .agents
-        .get(agent)
-        .map(|a| {
-            a.tools
-                .iter()
-                .filter(|t| *t != role)
-                .cloned()
-                .collect::<Vec<_>>()
-        })
-        .unwrap_or_default();
-    for other in others {
-        let Some(state) = states.role(agent, &other) else {
-            continue;
-        };
-        for active in state.active() {
-            let Some(theirs) = catalog.component(active).await.map_err(unavailable)? else {
-                continue;
-            };
-            for tool in &record.tools {
-                if theirs.tools.iter().any(|t| t.name == tool.name) {
-                    return Err(refuse(
-                        Some(digest),
-                        format!(
-                            "its tool {:?} is also served by tool component {other:?} (version {})",
-                            tool.name,
-                            short_digest(active)
-                        ),
-                    ));
-                }
-            }
-        }
-    }
-    Ok(())
-}
-
-fn read_file(path: &Path) -> Result<Vec<u8>, ActivationRefused> {
-    std::fs::read(path)
-        .map_err(|err| refuse(None, format!("cannot read {}: {err}", path.display())))
-}
-
-/// Verifies and activates a version: the log gains one entry, or, refused,
-/// nothing changes.
-pub async fn activate(
-    config: &DexaConfig,
-    engine: &SandboxEngine,
-    catalog: &dyn CatalogStore,
-    request: ActivationRequest,
-) -> Result<Activation, ActivationRefused> {
-    let wasm = match &request.source {
-        VersionSource::File(path) => read_file(path)?,
-        VersionSource::Digest(digest) => match catalog.component_bytes(digest).await {
-            Ok(Some(bytes)) => bytes,
-            Ok(None) => return Err(refuse(Some(digest), "it is not in the registry")),
-            Err(err) => return Err(refuse(Some(digest), format!("the store: {err}"))),
-        },
-    };
-    let record = verify_and_add(
-        config,
-        engine,
-        catalog,
-        &request.agent,
-        &request.role,
-        wasm,
-        &request.actor,
-    )
-    .await?;
-    activation_test_pause();
-    let appended = catalog
-        .activate(
-            NewActivation {
-                agent: request.agent,
-                role: request.role,
-                digest: record.digest.clone(),
-                mode: request.mode,
-                upgrade_in_flight: request.upgrade_in_flight,
-                actor: request.actor,
-                reason: request.reason,
-            },
-            ActivateIf::Always,
-        )
-        .await;
-    match appended {
-        Ok(Some(activation)) => Ok(activation),
-        Ok(None) => Err(refuse(Some(&record.digest), "the log did not take it")),
-        Err(CatalogError::NoSuchComponent { digest }) => Err(refuse(
-            Some(&digest),
-            "it left the registry before it was activated (a gc ran meanwhile); add it again",
-        )),
-        Err(err) => Err(refuse(Some(&record.digest), err.to_string())),
-    }
-}
-
-/// Test hook: with `DEXA_TEST_ACTIVATION_PAUSE=<file>` set, an activation
-/// that has added its version waits here until `<file>` exists, so that a
-/// test can SIGKILL it between the add and the log entry.
-fn activation_test_pause() {
-    let Some(gate) = std::env::var_os("DEXA_TEST_ACTIVATION_PAUSE") else {
-        return;
-    };
-    let gate = std::path::PathBuf::from(gate);
-    let _ = std::fs::write(gate.with_extension("reached"), b"");
-    while !gate.exists() {
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
 }
 
 /// Adds the config's file version of one role and activates it as actor

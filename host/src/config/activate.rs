@@ -1,0 +1,316 @@
+//! Activating a version: verify it for its role (it compiles, matches its
+//! world, is pre-instantiated and, for a tool, answers `list-tools` with
+//! tools no other tool component of the agent serves), add it to the
+//! catalog, and append one entry to the activation log. A refusal names the
+//! digest and the reason, and the log does not change.
+
+use std::path::Path;
+
+use serde_json::{json, Value};
+
+use super::versions::{role_component, runner_record, tool_record};
+use super::DexaConfig;
+use crate::catalog::{
+    short_digest, ActivateIf, Activation, ActivationMode, CatalogError, CatalogStore,
+    ComponentRecord, NewActivation, RoleStates, RUNNER_ROLE,
+};
+use crate::plugin::cache::sha256_hex;
+use crate::plugin::{ComponentSettings, LoadError, SandboxEngine};
+
+/// What an activation names: a file to add, or a version already added.
+#[derive(Clone, Debug)]
+pub enum VersionSource {
+    File(std::path::PathBuf),
+    Digest(String),
+}
+
+impl VersionSource {
+    /// A digest is 64 hex digits; anything else is a path.
+    pub fn parse(text: &str) -> Self {
+        if text.len() == 64 && text.bytes().all(|b| b.is_ascii_hexdigit()) {
+            VersionSource::Digest(text.to_ascii_lowercase())
+        } else {
+            VersionSource::File(text.into())
+        }
+    }
+}
+
+/// Why an activation was refused. The active version did not change.
+#[derive(Debug, thiserror::Error)]
+#[error("activation refused: {reason}")]
+pub struct ActivationRefused {
+    pub digest: Option<String>,
+    pub reason: String,
+}
+
+fn refuse(digest: Option<&str>, reason: impl Into<String>) -> ActivationRefused {
+    let reason = reason.into();
+    ActivationRefused {
+        reason: match digest {
+            Some(digest) => format!("component {digest}: {reason}"),
+            None => reason,
+        },
+        digest: digest.map(str::to_string),
+    }
+}
+
+/// One activation asked for.
+#[derive(Clone, Debug)]
+pub struct ActivationRequest {
+    pub agent: String,
+    /// [`RUNNER_ROLE`] or a tool component's name.
+    pub role: String,
+    pub source: VersionSource,
+    pub mode: ActivationMode,
+    pub upgrade_in_flight: bool,
+    pub actor: String,
+    pub reason: String,
+}
+
+/// Verifies `wasm` for `role` (it compiles, matches its world, is
+/// pre-instantiated and, for a tool, answers `list-tools` with tools no other
+/// tool component of the agent serves), then adds it to the catalog. Returns
+/// its record.
+pub async fn verify_and_add(
+    config: &DexaConfig,
+    engine: &SandboxEngine,
+    catalog: &dyn CatalogStore,
+    agent: &str,
+    role: &str,
+    wasm: Vec<u8>,
+    actor: &str,
+) -> Result<ComponentRecord, ActivationRefused> {
+    let digest = sha256_hex(&wasm);
+    let component = role_component(config, agent, role).map_err(|r| refuse(Some(&digest), r))?;
+    let settings = super::deploy::settings(config, component)
+        .map_err(|err| refuse(Some(&digest), format!("{err:#}")))?;
+    let record = if role == RUNNER_ROLE {
+        let runner = engine
+            .load_runner(&wasm, settings)
+            .map_err(|err| refuse(Some(&digest), err.to_string()))?;
+        runner_record(&runner, wasm.len(), actor)
+    } else {
+        let tool = engine
+            .load_tool(&wasm, settings)
+            .await
+            .map_err(|err| refuse(Some(&digest), err.to_string()))?;
+        let record = tool_record(&tool, wasm.len(), actor);
+        check_collisions(config, catalog, agent, role, &record).await?;
+        record
+    };
+    catalog
+        .add_component(record.clone(), wasm)
+        .await
+        .map_err(|err| refuse(Some(&digest), format!("the store refused it: {err}")))?;
+    Ok(record)
+}
+
+/// Refuses a tool version that serves a tool another tool component of the
+/// agent serves in any version active now.
+async fn check_collisions(
+    config: &DexaConfig,
+    catalog: &dyn CatalogStore,
+    agent: &str,
+    role: &str,
+    record: &ComponentRecord,
+) -> Result<(), ActivationRefused> {
+    let digest = record.digest.as_str();
+    let unavailable = |err| refuse(Some(digest), format!("the catalog is unreadable: {err}"));
+    let states = RoleStates::from_log(
+        &catalog
+            .activations(Some(agent))
+            .await
+            .map_err(unavailable)?,
+    );
+    let others = config
+        .agents
+        .get(agent)
+        .map(|a| {
+            a.tools
+                .iter()
+                .filter(|t| *t != role)
+                .cloned()
+                .collect::<Vec<_>>()
+        })
+        .unwrap_or_default();
+    for other in others {
+        let Some(state) = states.role(agent, &other) else {
+            continue;
+        };
+        for active in state.active() {
+            let Some(theirs) = catalog.component(active).await.map_err(unavailable)? else {
+                continue;
+            };
+            for tool in &record.tools {
+                if theirs.tools.iter().any(|t| t.name == tool.name) {
+                    return Err(refuse(
+                        Some(digest),
+                        format!(
+                            "its tool {:?} is also served by tool component {other:?} (version {})",
+                            tool.name,
+                            short_digest(active)
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn read_file(path: &Path) -> Result<Vec<u8>, ActivationRefused> {
+    std::fs::read(path)
+        .map_err(|err| refuse(None, format!("cannot read {}: {err}", path.display())))
+}
+
+/// Verifies and activates a version: the log gains one entry, or, refused,
+/// nothing changes.
+pub async fn activate(
+    config: &DexaConfig,
+    engine: &SandboxEngine,
+    catalog: &dyn CatalogStore,
+    request: ActivationRequest,
+) -> Result<Activation, ActivationRefused> {
+    let wasm = match &request.source {
+        VersionSource::File(path) => read_file(path)?,
+        VersionSource::Digest(digest) => match catalog.component_bytes(digest).await {
+            Ok(Some(bytes)) => bytes,
+            Ok(None) => return Err(refuse(Some(digest), "it is not in the registry")),
+            Err(err) => return Err(refuse(Some(digest), format!("the store: {err}"))),
+        },
+    };
+    let record = verify_and_add(
+        config,
+        engine,
+        catalog,
+        &request.agent,
+        &request.role,
+        wasm,
+        &request.actor,
+    )
+    .await?;
+    activation_test_pause();
+    let appended = catalog
+        .activate(
+            NewActivation {
+                agent: request.agent,
+                role: request.role,
+                digest: record.digest.clone(),
+                mode: request.mode,
+                upgrade_in_flight: request.upgrade_in_flight,
+                actor: request.actor,
+                reason: request.reason,
+            },
+            ActivateIf::Always,
+        )
+        .await;
+    match appended {
+        Ok(Some(activation)) => Ok(activation),
+        Ok(None) => Err(refuse(Some(&record.digest), "the log did not take it")),
+        Err(CatalogError::NoSuchComponent { digest }) => Err(refuse(
+            Some(&digest),
+            "it left the registry before it was activated (a gc ran meanwhile); add it again",
+        )),
+        Err(err) => Err(refuse(Some(&record.digest), err.to_string())),
+    }
+}
+
+/// Test hook: with `DEXA_TEST_ACTIVATION_PAUSE=<file>` set, an activation
+/// that has added its version waits here until `<file>` exists, so that a
+/// test can SIGKILL it between the add and the log entry.
+fn activation_test_pause() {
+    let Some(gate) = std::env::var_os("DEXA_TEST_ACTIVATION_PAUSE") else {
+        return;
+    };
+    let gate = std::path::PathBuf::from(gate);
+    let _ = std::fs::write(gate.with_extension("reached"), b"");
+    while !gate.exists() {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
+/// Verifies `wasm` as a runner or a tool component (whichever world it
+/// implements, with no grants) and adds it to the catalog, for activation
+/// later by digest. Returns its record and whether it was new.
+pub async fn add_component(
+    engine: &SandboxEngine,
+    catalog: &dyn CatalogStore,
+    wasm: Vec<u8>,
+    name: &str,
+    actor: &str,
+) -> Result<(ComponentRecord, bool), ActivationRefused> {
+    let digest = sha256_hex(&wasm);
+    let settings = ComponentSettings::named(name);
+    let record = match engine.load_runner(&wasm, settings.clone()) {
+        Ok(runner) => runner_record(&runner, wasm.len(), actor),
+        Err(LoadError::WrongWorld { .. }) => {
+            let tool = engine
+                .load_tool(&wasm, settings)
+                .await
+                .map_err(|err| refuse(Some(&digest), err.to_string()))?;
+            tool_record(&tool, wasm.len(), actor)
+        }
+        Err(err) => return Err(refuse(Some(&digest), err.to_string())),
+    };
+    let added = catalog
+        .add_component(record.clone(), wasm)
+        .await
+        .map_err(|err| refuse(Some(&digest), format!("the store refused it: {err}")))?;
+    Ok((record, added))
+}
+
+/// A rollback of `role`: the activation of the version that was current
+/// before (or, while a ramp stands, of the current one, ending the ramp).
+pub async fn rollback_request(
+    catalog: &dyn CatalogStore,
+    agent: &str,
+    role: &str,
+) -> Result<String, ActivationRefused> {
+    let log = catalog
+        .activations(Some(agent))
+        .await
+        .map_err(|err| refuse(None, format!("the activation log is unreadable: {err}")))?;
+    RoleStates::from_log(&log)
+        .role(agent, role)
+        .and_then(|s| s.rollback_target())
+        .map(str::to_string)
+        .ok_or_else(|| {
+            refuse(
+                None,
+                format!("agent {agent:?} ({role}) has no earlier version to roll back to"),
+            )
+        })
+}
+
+/// The reason a rollback records when none is given.
+pub fn rollback_reason(target: &str, reason: String) -> String {
+    if reason.trim().is_empty() {
+        format!("rollback to {}", short_digest(target))
+    } else {
+        reason
+    }
+}
+
+/// An agent's activation log, and what each role takes now.
+pub async fn versions_report(
+    catalog: &dyn CatalogStore,
+    agent: &str,
+) -> Result<Value, crate::flow::StoreError> {
+    let log = catalog.activations(Some(agent)).await?;
+    let states = RoleStates::from_log(&log);
+    let roles: serde_json::Map<String, Value> = states
+        .roles
+        .iter()
+        .map(|((_, role), state)| {
+            (
+                role.clone(),
+                json!({
+                    "current": state.current,
+                    "ramp": state.ramp.as_ref().map(|(d, p)| json!({"digest": d, "percent": p})),
+                    "upgrade_in_flight": state.upgrades_in_flight(),
+                }),
+            )
+        })
+        .collect();
+    Ok(json!({"agent": agent, "roles": roles, "log": log}))
+}
