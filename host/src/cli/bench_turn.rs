@@ -66,16 +66,16 @@ pub struct TurnBenchArgs {
     pub dir: Option<PathBuf>,
 }
 
-const AGENT: &str = "BenchAgent";
+pub(super) const AGENT: &str = "BenchAgent";
 
 /// Wakes the client of a session when one of its RunModel Steps commits.
 #[derive(Default)]
-struct TurnWatch {
+pub(super) struct TurnWatch {
     sessions: Mutex<HashMap<String, Arc<Notify>>>,
 }
 
 impl TurnWatch {
-    fn notify_of(&self, session_id: &str) -> Arc<Notify> {
+    pub(super) fn notify_of(&self, session_id: &str) -> Arc<Notify> {
         let mut sessions = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
         sessions
             .entry(session_id.to_string())
@@ -84,15 +84,15 @@ impl TurnWatch {
     }
 }
 
-struct Bench {
-    store: Arc<dyn FlowStore>,
-    sessions: AgentSessionClient,
-    watch: Arc<TurnWatch>,
+pub(super) struct Bench {
+    pub(super) store: Arc<dyn FlowStore>,
+    pub(super) sessions: AgentSessionClient,
+    pub(super) watch: Arc<TurnWatch>,
 }
 
 impl Bench {
     /// Sends one message and waits until the session has finished `turn`.
-    async fn turn(&self, session_id: &str, turn: u64) -> anyhow::Result<Duration> {
+    pub(super) async fn turn(&self, session_id: &str, turn: u64) -> anyhow::Result<Duration> {
         let notify = self.watch.notify_of(session_id);
         let started = Instant::now();
         anyhow::ensure!(
@@ -123,7 +123,7 @@ impl Bench {
 }
 
 /// The machine's CPU counters (`/proc/stat`): (steal, total) in ticks.
-fn cpu_ticks() -> Option<(u64, u64)> {
+pub(super) fn cpu_ticks() -> Option<(u64, u64)> {
     let stat = std::fs::read_to_string("/proc/stat").ok()?;
     let fields: Vec<u64> = stat
         .lines()
@@ -137,7 +137,7 @@ fn cpu_ticks() -> Option<(u64, u64)> {
 
 /// The share of CPU time the hypervisor took away since `since` (a noisy
 /// neighbour slows every number of the run).
-fn steal_since(since: Option<(u64, u64)>) -> String {
+pub(super) fn steal_since(since: Option<(u64, u64)>) -> String {
     match (since, cpu_ticks()) {
         (Some((steal0, total0)), Some((steal1, total1))) if total1 > total0 => format!(
             "{:.0}%",

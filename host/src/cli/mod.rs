@@ -1,6 +1,7 @@
 //! The `dexa` command line.
 
 pub mod bench;
+pub mod bench_swap;
 pub mod bench_turn;
 pub mod chat;
 pub mod demo;
@@ -67,6 +68,10 @@ pub enum BenchCommand {
     /// One agent turn through AgentSessionFlow with sandboxed guests:
     /// sequential latency, throughput with concurrent clients, peak RSS.
     Turn(bench_turn::TurnBenchArgs),
+    /// The benchmark turn under 16 clients and two workers, with a runner
+    /// activation every second against a run with none: turns/s, p50/p99,
+    /// failed turns, and how fast each worker sees an activation.
+    Swap(bench_swap::SwapBenchArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -176,6 +181,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Agent(versions::AgentCommand::Rollback(args)) => versions::rollback(args).await,
         Command::Bench(BenchCommand::Engine(args)) => bench::run(args).await,
         Command::Bench(BenchCommand::Turn(args)) => bench_turn::run(args).await,
+        Command::Bench(BenchCommand::Swap(args)) => bench_swap::run(args).await,
     }
 }
 

@@ -46,6 +46,8 @@ pub struct Deployment {
     /// The component catalog, in the same store.
     pub catalog: Arc<dyn CatalogStore>,
     pub registry: Arc<Registry>,
+    /// A worker's view of the activation log (none for clients).
+    pub watch: Option<Arc<ActivationWatch>>,
 }
 
 impl Deployment {
@@ -198,7 +200,9 @@ impl Deployment {
                 agent.options.clone(),
             ));
         }
-        Self::assemble(config, store, catalog, &flows)
+        let mut deployment = Self::assemble(config, store, catalog, &flows)?;
+        deployment.watch = Some(watch);
+        Ok(deployment)
     }
 
     /// What a client needs: the store and the agents' flow types, with no
@@ -227,6 +231,7 @@ impl Deployment {
             store,
             catalog,
             registry,
+            watch: None,
         })
     }
 

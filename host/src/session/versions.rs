@@ -80,6 +80,63 @@ impl ActivationWatch {
 
 type Cell<T> = Arc<OnceCell<Arc<T>>>;
 
+/// How many versions of one kind (runners, or tool components) an agent
+/// keeps loaded; the least recently used beyond this are dropped, and load
+/// again from the store (and the compiled-artifact cache) if a Step needs
+/// them. A Step running one keeps its own reference.
+pub const MAX_LOADED_VERSIONS: usize = 8;
+
+/// Loaded versions by key, least recently used dropped first.
+struct Loaded<K, T> {
+    /// Each cell with the tick of its last use.
+    cells: HashMap<K, (Cell<T>, u64)>,
+    tick: u64,
+}
+
+impl<K: std::hash::Hash + Eq + Clone, T> Loaded<K, T> {
+    fn new() -> Self {
+        Self {
+            cells: HashMap::new(),
+            tick: 0,
+        }
+    }
+
+    fn cell(&mut self, key: K) -> Cell<T> {
+        self.tick += 1;
+        let now = self.tick;
+        let cell = match self.cells.get_mut(&key) {
+            Some((cell, used)) => {
+                *used = now;
+                cell.clone()
+            }
+            None => {
+                let cell: Cell<T> = Arc::default();
+                self.cells.insert(key.clone(), (cell.clone(), now));
+                cell
+            }
+        };
+        while self.cells.len() > MAX_LOADED_VERSIONS {
+            let oldest = self
+                .cells
+                .iter()
+                .filter(|(k, _)| **k != key)
+                .min_by_key(|(_, (_, used))| *used)
+                .map(|(k, _)| k.clone());
+            match oldest {
+                Some(oldest) => {
+                    self.cells.remove(&oldest);
+                }
+                None => break,
+            }
+        }
+        cell
+    }
+
+    fn len(&self) -> usize {
+        self.cells.len()
+    }
+}
+
 /// One agent's versions from the catalog.
 pub struct CatalogVersions {
     agent: String,
@@ -87,8 +144,8 @@ pub struct CatalogVersions {
     watch: Arc<ActivationWatch>,
     catalog: Arc<dyn CatalogStore>,
     loader: Arc<dyn ComponentLoader>,
-    runners: Mutex<HashMap<String, Cell<RunnerComponent>>>,
-    tools: Mutex<HashMap<(String, String), Cell<ToolComponent>>>,
+    runners: Mutex<Loaded<String, RunnerComponent>>,
+    tools: Mutex<Loaded<(String, String), ToolComponent>>,
     sets: Mutex<HashMap<Vec<String>, Arc<ToolSet>>>,
 }
 
@@ -106,8 +163,8 @@ impl CatalogVersions {
             watch,
             catalog,
             loader,
-            runners: Mutex::new(HashMap::new()),
-            tools: Mutex::new(HashMap::new()),
+            runners: Mutex::new(Loaded::new()),
+            tools: Mutex::new(Loaded::new()),
             sets: Mutex::new(HashMap::new()),
         }
     }
@@ -147,15 +204,19 @@ impl CatalogVersions {
 
     fn runner_cell(&self, digest: &str) -> Cell<RunnerComponent> {
         let mut runners = self.runners.lock().unwrap_or_else(|p| p.into_inner());
-        runners.entry(digest.to_string()).or_default().clone()
+        runners.cell(digest.to_string())
     }
 
     fn tool_cell(&self, role: &str, digest: &str) -> Cell<ToolComponent> {
         let mut tools = self.tools.lock().unwrap_or_else(|p| p.into_inner());
-        tools
-            .entry((role.to_string(), digest.to_string()))
-            .or_default()
-            .clone()
+        tools.cell((role.to_string(), digest.to_string()))
+    }
+
+    /// How many versions are loaded now: (runners, tool components).
+    pub fn loaded(&self) -> (usize, usize) {
+        let runners = self.runners.lock().map_or(0, |r| r.len());
+        let tools = self.tools.lock().map_or(0, |t| t.len());
+        (runners, tools)
     }
 
     fn role<'a>(&self, states: &'a RoleStates, role: &str) -> Result<&'a RoleState, VersionError> {
@@ -298,10 +359,32 @@ impl CatalogVersions {
                 "the tool versions active for this session do not fit together: {err}"
             ))
         })?);
-        self.sets
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(digests, set.clone());
+        let mut sets = self.sets.lock().unwrap_or_else(|p| p.into_inner());
+        // Combinations change only with activations: a clear now and then
+        // bounds them, and a set is rebuilt from loaded versions.
+        if sets.len() >= MAX_LOADED_VERSIONS {
+            sets.clear();
+        }
+        sets.insert(digests, set.clone());
         Ok(set)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loaded_versions_are_bounded_and_the_least_recently_used_go_first() {
+        let mut loaded: Loaded<u32, ()> = Loaded::new();
+        let first = loaded.cell(0);
+        for key in 1..=(MAX_LOADED_VERSIONS as u32 + 5) {
+            loaded.cell(key);
+            // Key 0 stays in use.
+            loaded.cell(0);
+        }
+        assert_eq!(loaded.len(), MAX_LOADED_VERSIONS);
+        assert!(Arc::ptr_eq(&first, &loaded.cell(0)), "the one in use stays");
+        assert!(!loaded.cells.contains_key(&1), "the oldest went");
     }
 }
