@@ -132,10 +132,13 @@ pub struct Activation {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ActivateIf {
     Always,
-    /// Only when the role's last activation by [`CONFIG_ACTOR`] was of
-    /// another digest (or there is none): `dexa.toml` activates its file
-    /// when the file changes, and an explicit activation stands while it
-    /// does not.
+    /// `dexa.toml`'s bootstrap: the store remembers which version the
+    /// config named for the role at the last start, and appends only when
+    /// this one differs. So `dexa.toml` activates its file when the file
+    /// changes, and an explicit activation stands while it does not. The
+    /// first version a store sees for a role is activated unless the role
+    /// was already activated explicitly (an operator who activated before
+    /// any worker started keeps that version).
     ConfigChanged,
 }
 

@@ -5,9 +5,10 @@
 //! How the two paths meet: `dexa.toml` names a file per role. At start, a
 //! worker (or `dexa serve`) adds that file's version to the catalog and
 //! activates it, as actor `config`, **only when the file changed** since the
-//! role's last `config` activation. So an explicit activation (`dexa agent
-//! activate`) stands across restarts until someone deploys a new file, and
-//! a new file wins over an older explicit activation, recorded in the log.
+//! last start (see [`ActivateIf::ConfigChanged`]). So an explicit activation
+//! (`dexa agent activate`) stands across restarts until someone deploys a
+//! new file, and a new file wins over an older explicit activation, recorded
+//! in the log.
 
 use std::collections::BTreeMap;
 use std::path::Path;

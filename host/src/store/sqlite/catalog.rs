@@ -7,7 +7,7 @@ use rusqlite::{params, Connection, OptionalExtension};
 use super::{backend, cached_execute, cached_query_row, SqliteStore};
 use crate::catalog::{
     ActivateIf, Activation, ActivationMode, CatalogError, CatalogStore, ComponentRecord,
-    NewActivation, CONFIG_ACTOR,
+    NewActivation,
 };
 use crate::flow::{StoreError, StoreMillis};
 
@@ -67,6 +67,47 @@ fn to_record(digest: &str, text: String) -> Result<ComponentRecord, StoreError> 
         .map_err(|err| StoreError::Corrupt(format!("the record of component {digest}: {err}")))
 }
 
+/// Records the version `dexa.toml` names for the role now, and says whether
+/// it is to be activated: when it differs from the one named at the last
+/// start, except that the first one a store sees stands back for a role
+/// already activated explicitly.
+fn config_changed(
+    conn: &Connection,
+    now: StoreMillis,
+    activation: &NewActivation,
+) -> Result<bool, StoreError> {
+    let seen: Option<String> = cached_query_row(
+        conn,
+        "SELECT digest FROM config_versions WHERE agent = ?1 AND role = ?2",
+        params![activation.agent, activation.role],
+        |row| row.get(0),
+    )
+    .optional()
+    .map_err(backend)?;
+    if seen.as_deref() == Some(activation.digest.as_str()) {
+        return Ok(false);
+    }
+    cached_execute(
+        conn,
+        "INSERT INTO config_versions (agent, role, digest, at_ms) VALUES (?1, ?2, ?3, ?4)
+         ON CONFLICT (agent, role) DO UPDATE SET digest = excluded.digest, at_ms = excluded.at_ms",
+        params![activation.agent, activation.role, activation.digest, now],
+    )
+    .map_err(backend)?;
+    if seen.is_some() {
+        return Ok(true);
+    }
+    let activated = cached_query_row(
+        conn,
+        "SELECT 1 FROM activations WHERE agent = ?1 AND role = ?2 LIMIT 1",
+        params![activation.agent, activation.role],
+        |_| Ok(()),
+    )
+    .optional()
+    .map_err(backend)?;
+    Ok(activated.is_none())
+}
+
 /// Appends `activation` unless `only_if` holds it back; the caller's
 /// transaction makes the check and the append one step.
 fn append(
@@ -88,19 +129,8 @@ fn append(
             digest: activation.digest,
         });
     }
-    if only_if == ActivateIf::ConfigChanged {
-        let last_by_config: Option<String> = cached_query_row(
-            conn,
-            "SELECT digest FROM activations WHERE agent = ?1 AND role = ?2 AND actor = ?3
-             ORDER BY seq DESC LIMIT 1",
-            params![activation.agent, activation.role, CONFIG_ACTOR],
-            |row| row.get(0),
-        )
-        .optional()
-        .map_err(backend)?;
-        if last_by_config.as_deref() == Some(activation.digest.as_str()) {
-            return Ok(None);
-        }
+    if only_if == ActivateIf::ConfigChanged && !config_changed(conn, now, &activation)? {
+        return Ok(None);
     }
     let (mode, percent) = match activation.mode {
         ActivationMode::Current => ("current", None),

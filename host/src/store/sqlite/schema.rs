@@ -134,6 +134,15 @@ CREATE TABLE IF NOT EXISTS activations (
     at_ms              INTEGER NOT NULL
 );
 CREATE INDEX IF NOT EXISTS activations_by_role ON activations (agent, role, seq);
+
+-- The last version of each role's file that dexa.toml named at a start.
+CREATE TABLE IF NOT EXISTS config_versions (
+    agent   TEXT NOT NULL,
+    role    TEXT NOT NULL,
+    digest  TEXT NOT NULL,
+    at_ms   INTEGER NOT NULL,
+    PRIMARY KEY (agent, role)
+) WITHOUT ROWID;
 ";
 
 pub(super) fn migrate(conn: &mut Connection) -> Result<(), StoreError> {
