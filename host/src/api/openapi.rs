@@ -185,7 +185,8 @@ fn schemas() -> Value {
             "step_type": {"type": "string"}, "step_execution_id": {"type": "string"}, "final_attempt": {"type": "integer"},
             "at": {"type": "integer", "description": "when the reported attempt ended (ms)"},
             "started_at": {"type": ["integer", "null"], "description": "when the reported attempt started (ms)"},
-            "detail": {"type": ["string", "null"]}}}}}},
+            "detail": {"type": ["string", "null"]},
+            "component": {"type": "string", "pattern": "^[0-9a-f]{64}$", "description": "the SHA-256 (hex) of the component version (runner or tool) the reported attempt ran; absent when the Step ran none"}}}}}},
         "AgentEvent": {"type": "object", "properties": {
             "type": {"type": "string"}, "turn_id": {"type": "string"}, "step_execution_id": {"type": "string"}, "attempt": {"type": "integer"}, "data": {"type": "object"}}}
     })
