@@ -1,14 +1,18 @@
 //! The web viewer in headless Chromium (Debian's `chromium` and
 //! `chromium-driver`, driven over WebDriver): start a session from the page,
 //! watch live text appear, approve the tool call, and see its result and the
-//! Step timeline.
+//! Step timeline, with the component version each Step ran.
 
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use dexa_tests::api_server::{ApiServer, TEST_TOKEN};
+use dexa_tests::guest_bytes;
+use dexa_tests::kit::dexa_binary;
+use dexa_tests::session::wait_for_turns;
+use dexa_tests::versions::{digest_of, variant};
 use fantoccini::{Client, ClientBuilder, Locator};
-use serde_json::json;
+use serde_json::{json, Value};
 
 /// chromedriver on a free loopback port; killed when dropped.
 struct Driver {
@@ -181,15 +185,23 @@ async fn the_viewer_starts_a_session_shows_live_text_and_approves_a_tool_call() 
             ]
         );
         wait_for_js(&client, "the live text to be replaced", "return document.querySelectorAll('#live .live-block').length === 0;").await;
-        // The Step timeline: RunModel twice, the approval and the tool Step.
+        // The Step timeline: the session's start (it ran the runner, so it
+        // shows), RunModel twice, the approval and the tool Step.
         let nodes = wait_for_js(
             &client,
             "the Step timeline",
-            "const n = [...document.querySelectorAll('#timeline .node')].map(e => e.dataset.stepType + ':' + e.dataset.status + ':' + e.dataset.attempts); return n.length >= 4 ? n : null;",
+            "const n = [...document.querySelectorAll('#timeline .node')].map(e => e.dataset.stepType + ':' + e.dataset.status + ':' + e.dataset.attempts); \
+             return n.filter(t => t.startsWith('RunModel:execute_completed')).length >= 2 && n.some(t => t.startsWith('CallSingleAttemptTool')) ? n : null;",
         )
         .await;
         let nodes: Vec<String> = serde_json::from_value(nodes).unwrap_or_default();
         assert!(nodes.contains(&"CallSingleAttemptTool:execute_completed:1".to_string()), "{nodes:?}");
+        assert!(nodes.contains(&"StartAgentSession:execute_completed:1".to_string()), "{nodes:?}");
+        // One runner version and one tool version: no version change.
+        let changes = client
+            .execute("return document.querySelectorAll('#timeline .version-change, #timeline .version-changed').length;", vec![])
+            .await?;
+        assert_eq!(changes, json!(0));
         assert_eq!(nodes.iter().filter(|n| n.starts_with("RunModel:execute_completed")).count(), 2, "{nodes:?}");
         assert!(nodes.iter().any(|n| n.starts_with("AwaitToolApproval")), "{nodes:?}");
         let approvals = client.find(Locator::Id("approvals")).await?.text().await?;
@@ -387,5 +399,134 @@ async fn hostile_markup_in_every_field_renders_as_text_and_never_runs_in_the_vie
         sinks,
         json!({"innerHTML": "TypeError", "handler": "TypeError", "script": "TypeError"}),
         "strings must not reach HTML or script sinks under {policy:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_timeline_shows_each_step_s_version_and_marks_where_the_runner_changed() {
+    // Two turns; between them `dexa agent activate` makes another version
+    // of the runner (the same guest with another digest) current.
+    let server = ApiServer::helpdesk(json!({"turns": [
+        {"steps": [{"text": "one"}]},
+        {"steps": [{"text": "two"}]}
+    ]}))
+    .await;
+    let http = reqwest::Client::new();
+    let started = http
+        .post(format!("{}/v1/agents/Helpdesk/sessions", server.base))
+        .bearer_auth(TEST_TOKEN)
+        .json(&json!({"session_id": "swapped", "message": "first"}))
+        .send()
+        .await
+        .unwrap_or_else(|err| panic!("start: {err}"));
+    assert_eq!(started.status(), 201, "{:?}", started.text().await);
+    let sessions = server.deployment.sessions("Helpdesk").expect("agent");
+    wait_for_turns(&sessions, "swapped", 1).await;
+
+    let old = digest_of(&guest_bytes("scripted-runner"));
+    let bytes = variant(&guest_bytes("scripted-runner"), "viewer");
+    let new = digest_of(&bytes);
+    assert_ne!(old, new);
+    let path = server.dir.path().join("scripted-runner-viewer.wasm");
+    std::fs::write(&path, &bytes).unwrap_or_else(|err| panic!("write {}: {err}", path.display()));
+    let activated = Command::new(dexa_binary())
+        .arg("agent")
+        .arg("activate")
+        .arg("Helpdesk")
+        .arg("--runner")
+        .arg(&path)
+        .args(["--reason", "viewer test"])
+        .env("DEXA_CONFIG", server.dir.path().join("dexa.toml"))
+        .env("USER", "test")
+        .env("RUST_LOG", "warn")
+        .current_dir(server.dir.path())
+        .output()
+        .unwrap_or_else(|err| panic!("run dexa agent activate: {err}"));
+    assert!(
+        activated.status.success(),
+        "dexa agent activate failed: {}",
+        String::from_utf8_lossy(&activated.stderr)
+    );
+    // The worker's view of the activation log is at most 250 ms old.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let sent = http
+        .post(format!("{}/v1/sessions/swapped/messages", server.base))
+        .bearer_auth(TEST_TOKEN)
+        .json(&json!({"text": "second"}))
+        .send()
+        .await
+        .unwrap_or_else(|err| panic!("send: {err}"));
+    assert!(sent.status().is_success(), "{:?}", sent.text().await);
+    wait_for_turns(&sessions, "swapped", 2).await;
+
+    // The API's history names the version each runner Step ran: turn 1 the
+    // built runner, turn 2 (from the Step that took its message) the new one.
+    let history: Value = http
+        .get(format!("{}/v1/sessions/swapped/history", server.base))
+        .bearer_auth(TEST_TOKEN)
+        .send()
+        .await
+        .unwrap_or_else(|err| panic!("history: {err}"))
+        .json()
+        .await
+        .unwrap_or_else(|err| panic!("history JSON: {err}"));
+    let ran: Vec<(String, String)> = history["steps"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|e| {
+            Some((
+                e["step_type"].as_str()?.to_string(),
+                e["component"].as_str()?.to_string(),
+            ))
+        })
+        .collect();
+    let step = |step_type: &str, digest: &str| (step_type.to_string(), digest.to_string());
+    assert_eq!(
+        ran,
+        vec![
+            step("StartAgentSession", &old),
+            step("RunModel", &old),
+            step("AwaitUserMessage", &new),
+            step("RunModel", &new),
+        ],
+        "{history}"
+    );
+
+    let driver = start_driver().await;
+    let client = browser(&driver).await;
+    let result = async {
+        open_viewer(&client, &server.base).await?;
+        client.wait().for_element(Locator::Css("a.session-link")).await?;
+        client.execute("location.hash = '#/s/swapped'; return true;", vec![]).await?;
+        // Each Step that ran a component shows its short digest (the full
+        // one in its title); the first Step on the new version says so.
+        let nodes = wait_for_js(
+            &client,
+            "the timeline with versions",
+            "const n = [...document.querySelectorAll('#timeline .node')].filter(e => e.querySelector('.digest')); \
+             return n.length >= 4 && document.querySelector('#timeline .version-change') \
+               ? n.map(e => [e.dataset.stepType, e.querySelector('.digest').textContent, e.querySelector('.digest').getAttribute('title'), \
+                             [...e.querySelectorAll('.version-change')].map(m => m.textContent)]) \
+               : null;",
+        )
+        .await;
+        Ok::<_, fantoccini::error::CmdError>(nodes)
+    }
+    .await;
+    let _ = client.close().await;
+    let nodes = result.unwrap_or_else(|err| panic!("browser: {err}"));
+    let short = |d: &str| d[..12].to_string();
+    let marker = format!("version changed: {}… → {}…", short(&old), short(&new));
+    assert_eq!(
+        nodes,
+        json!([
+            ["StartAgentSession", short(&old), old, []],
+            ["RunModel", short(&old), old, []],
+            ["AwaitUserMessage", short(&new), new, [marker]],
+            ["RunModel", short(&new), new, []],
+        ]),
+        "the timeline's versions"
     );
 }

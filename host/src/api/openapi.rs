@@ -223,7 +223,8 @@ fn schemas() -> Value {
             "step_type": {"type": "string"}, "step_execution_id": {"type": "string"}, "final_attempt": {"type": "integer"},
             "at": {"type": "integer", "description": "when the reported attempt ended (ms)"},
             "started_at": {"type": ["integer", "null"], "description": "when the reported attempt started (ms)"},
-            "detail": {"type": ["string", "null"]}}}}}},
+            "detail": {"type": ["string", "null"]},
+            "component": {"type": "string", "pattern": "^[0-9a-f]{64}$", "description": "the SHA-256 (hex) of the component version (runner or tool) the reported attempt ran; absent when the Step ran none"}}}}}},
         "ComponentRecord": {"type": "object", "required": ["digest", "world", "wit_package", "tools", "size", "added_at", "added_by"], "properties": {
             "digest": {"type": "string", "description": "SHA-256 of the bytes, hex"}, "world": {"type": "string", "enum": ["runner", "tool"]},
             "wit_package": {"type": "string"}, "size": {"type": "integer"}, "added_at": {"type": "integer"}, "added_by": {"type": "string"},
