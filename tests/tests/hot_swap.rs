@@ -6,12 +6,12 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
+use dexa::session::AgentSnapshot;
 use dexa::session::{event_type, step, ResolveInterruptRequest, ToolEffect};
 use dexa_tests::guest_bytes;
-use dexa_tests::kit::{
-    render_config, wait_for_agent_snapshot, wait_for_turns, AgentTestStack, KitAgent, KitSettings,
-};
+use dexa_tests::kit::{render_config, wait_until, AgentTestStack, KitAgent, KitSettings};
 use dexa_tests::session::all_events;
+use dexa_tests::session::{wait_for_agent_snapshot_within, wait_for_turns_within};
 use dexa_tests::versions::{dexa_cli, digest_of, versions_by_turn, write_variant};
 use serde_json::{json, Value};
 
@@ -54,6 +54,29 @@ async fn runner_versions(
             (turn, runners)
         })
         .collect()
+}
+
+/// Waits until a worker has started and recorded `dexa.toml`'s versions of
+/// `agent` (an activation before that is one the config then leaves alone).
+async fn wait_for_bootstrap(stack: &AgentTestStack, agent: &str) {
+    let catalog = stack.deployment.catalog.clone();
+    let agent = agent.to_string();
+    wait_until("the worker's start", TURN_WAIT, || {
+        let (catalog, agent) = (catalog.clone(), agent.clone());
+        async move {
+            let log = catalog.activations(Some(&agent)).await.ok()?;
+            log.iter().any(|a| a.actor == "config").then_some(())
+        }
+    })
+    .await;
+}
+
+/// How long a turn may take here: several tests with real workers (one of
+/// them running 2,000 turns) share two cores.
+const TURN_WAIT: Duration = Duration::from_secs(90);
+
+async fn turns(stack: &AgentTestStack, agent: &str, session: &str, n: u64) -> AgentSnapshot {
+    wait_for_turns_within(&stack.sessions(agent), session, n, TURN_WAIT).await
 }
 
 fn activate(stack: &AgentTestStack, agent: &str, args: &[&str]) -> Value {
@@ -122,9 +145,13 @@ async fn a_runner_activated_mid_conversation_fails_no_turn_and_each_turn_keeps_i
     log.wait_for_count("tool-hold", 7).await;
     let mut interrupts = Vec::new();
     for (agent, session) in plan.iter().filter(|(a, _)| *a == "Approvals") {
-        let interrupt = wait_for_agent_snapshot(&stack.sessions(agent), session, "approval", |s| {
-            s.pending_interrupts.first().cloned()
-        })
+        let interrupt = wait_for_agent_snapshot_within(
+            &stack.sessions(agent),
+            session,
+            "approval",
+            TURN_WAIT,
+            |s| s.pending_interrupts.first().cloned(),
+        )
         .await;
         interrupts.push((session.clone(), interrupt));
     }
@@ -154,7 +181,7 @@ async fn a_runner_activated_mid_conversation_fails_no_turn_and_each_turn_keeps_i
             .unwrap_or_else(|err| panic!("{err}"));
     }
     for (agent, session) in &plan {
-        let done = wait_for_turns(&stack.sessions(agent), session, 1).await;
+        let done = wait_for_turns_within(&stack.sessions(agent), session, 1, TURN_WAIT).await;
         let state = done.state.unwrap_or_else(|| panic!("{session}: no state"));
         assert_eq!(state.last_turn_error, None, "{session}: the turn failed");
         assert_eq!(state.runner_digest, None, "no pin between turns");
@@ -171,7 +198,7 @@ async fn a_runner_activated_mid_conversation_fails_no_turn_and_each_turn_keeps_i
             .unwrap_or_else(|err| panic!("{err}"));
     }
     for (agent, session) in &plan {
-        let done = wait_for_turns(&stack.sessions(agent), session, 2).await;
+        let done = wait_for_turns_within(&stack.sessions(agent), session, 2, TURN_WAIT).await;
         let state = done.state.unwrap_or_else(|| panic!("{session}: no state"));
         assert_eq!(state.last_turn_error, None, "{session}: turn 2 failed");
         let versions = runner_versions(&stack, agent, session).await;
@@ -204,10 +231,11 @@ async fn a_tool_call_runs_on_its_deferral_version_after_a_swap_and_a_kill() {
     let sessions = stack.sessions("Swap");
     sessions.start_session("s1", "go").await.unwrap();
     // Deferred (ToolCallsRequested committed), waiting for its approval.
-    let interrupt = wait_for_agent_snapshot(&sessions, "s1", "the approval", |s| {
-        s.pending_interrupts.first().cloned()
-    })
-    .await;
+    let interrupt =
+        wait_for_agent_snapshot_within(&sessions, "s1", "the approval", TURN_WAIT, |s| {
+            s.pending_interrupts.first().cloned()
+        })
+        .await;
     let snapshot = sessions.get_agent_snapshot("s1").await.unwrap();
     let old = built("gate-tool");
     assert_eq!(snapshot.tool_calls[0].digest.as_deref(), Some(old.as_str()));
@@ -237,7 +265,7 @@ async fn a_tool_call_runs_on_its_deferral_version_after_a_swap_and_a_kill() {
     stack.kill_worker(first);
     stack.gate("swap-gate").release();
     stack.start_worker();
-    let done = wait_for_turns(&sessions, "s1", 1).await;
+    let done = wait_for_turns_within(&sessions, "s1", 1, TURN_WAIT).await;
     assert_eq!(done.state.and_then(|s| s.last_turn_error), None);
     assert_eq!(stack.invocations().count("swap-gate"), 2, "it ran again");
     let history = stack.read_step_history("s1").await;
@@ -249,13 +277,14 @@ async fn a_tool_call_runs_on_its_deferral_version_after_a_swap_and_a_kill() {
     assert_eq!(tool_versions, BTreeSet::from([old.as_str()]), "{history:?}");
     // The next deferral takes the new version.
     sessions.send_user_message("s1", "again").await.unwrap();
-    let pending = wait_for_agent_snapshot(&sessions, "s1", "the second approval", |s| {
-        s.tool_calls
-            .first()
-            .filter(|c| c.turn_id == "turn-2")
-            .cloned()
-    })
-    .await;
+    let pending =
+        wait_for_agent_snapshot_within(&sessions, "s1", "the second approval", TURN_WAIT, |s| {
+            s.tool_calls
+                .first()
+                .filter(|c| c.turn_id == "turn-2")
+                .cloned()
+        })
+        .await;
     assert_eq!(pending.digest.as_deref(), Some(new.as_str()));
 }
 
@@ -266,7 +295,7 @@ async fn an_activation_killed_before_its_log_entry_is_absent_and_no_step_runs_an
     stack.start_worker();
     let sessions = stack.sessions("Kill");
     sessions.start_session("s1", "go").await.unwrap();
-    wait_for_turns(&sessions, "s1", 1).await;
+    wait_for_turns_within(&sessions, "s1", 1, TURN_WAIT).await;
     let before = log_len(&stack, "Kill").await;
     let (v2, new) = write_variant(&stack, "scripted-runner", "v2");
     let pause = stack.dir.path().join("activation-pause");
@@ -292,7 +321,7 @@ async fn an_activation_killed_before_its_log_entry_is_absent_and_no_step_runs_an
     let added = stack.deployment.catalog.component(&new).await.unwrap();
     assert!(added.is_some(), "the add committed before the kill");
     sessions.send_user_message("s1", "again").await.unwrap();
-    wait_for_turns(&sessions, "s1", 2).await;
+    wait_for_turns_within(&sessions, "s1", 2, TURN_WAIT).await;
     let versions = runner_versions(&stack, "Kill", "s1").await;
     assert_eq!(
         versions.get("turn-2"),
@@ -302,7 +331,7 @@ async fn an_activation_killed_before_its_log_entry_is_absent_and_no_step_runs_an
     activate(&stack, "Kill", &["--runner", &new]);
     tokio::time::sleep(Duration::from_millis(600)).await;
     sessions.send_user_message("s1", "third").await.unwrap();
-    wait_for_turns(&sessions, "s1", 3).await;
+    wait_for_turns_within(&sessions, "s1", 3, TURN_WAIT).await;
     let versions = runner_versions(&stack, "Kill", "s1").await;
     assert_eq!(versions.get("turn-3"), Some(&BTreeSet::from([new.clone()])));
     // Every version any Step ran is in the registry.
@@ -340,6 +369,7 @@ async fn a_rollback_serves_new_turns_the_old_version_and_upgrade_in_flight_moves
     .policy("gate", ToolEffect::Read, None);
     let mut stack = AgentTestStack::new(vec![agent]);
     stack.start_worker();
+    wait_for_bootstrap(&stack, "Roll").await;
     let sessions = stack.sessions("Roll");
     let v1 = built("scripted-runner");
     let (v2, new) = write_variant(&stack, "scripted-runner", "v2");
@@ -357,7 +387,7 @@ async fn a_rollback_serves_new_turns_the_old_version_and_upgrade_in_flight_moves
     assert_eq!(rolled["digest"], json!(v1));
     tokio::time::sleep(Duration::from_millis(600)).await;
     stack.gate("roll-gate").release();
-    wait_for_turns(&sessions, "held", 1).await;
+    wait_for_turns_within(&sessions, "held", 1, TURN_WAIT).await;
     let held = runner_versions(&stack, "Roll", "held").await;
     assert_eq!(
         held.get("turn-1"),
@@ -365,7 +395,7 @@ async fn a_rollback_serves_new_turns_the_old_version_and_upgrade_in_flight_moves
         "it finished on v2"
     );
     sessions.start_session("fresh", "go").await.unwrap();
-    wait_for_turns(&sessions, "fresh", 1).await;
+    wait_for_turns_within(&sessions, "fresh", 1, TURN_WAIT).await;
     let fresh = runner_versions(&stack, "Roll", "fresh").await;
     assert_eq!(fresh.get("turn-1"), Some(&BTreeSet::from([v1.clone()])));
 
@@ -394,7 +424,7 @@ async fn a_rollback_serves_new_turns_the_old_version_and_upgrade_in_flight_moves
     assert_eq!(moved["upgrade_in_flight"], json!(true));
     tokio::time::sleep(Duration::from_millis(600)).await;
     stack.gate("roll-gate").release();
-    wait_for_turns(&sessions, "moved", 1).await;
+    wait_for_turns_within(&sessions, "moved", 1, TURN_WAIT).await;
     let history = stack.read_step_history("moved").await;
     let run_models: Vec<&str> = history
         .iter()
@@ -434,7 +464,7 @@ async fn refused_activations_name_the_digest_and_the_reason_and_leave_the_active
     stack.start_worker();
     let sessions = stack.sessions("Refuse");
     sessions.start_session("s1", "go").await.unwrap();
-    wait_for_turns(&sessions, "s1", 1).await;
+    wait_for_turns_within(&sessions, "s1", 1, TURN_WAIT).await;
     let before = log_len(&stack, "Refuse").await;
     let garbage = stack.dir.path().join("garbage.wasm");
     std::fs::write(&garbage, b"\0asm\x0d\0\x01\0 not a component").unwrap();
@@ -484,7 +514,7 @@ async fn refused_activations_name_the_digest_and_the_reason_and_leave_the_active
         "the log is unchanged"
     );
     sessions.send_user_message("s1", "again").await.unwrap();
-    let done = wait_for_turns(&sessions, "s1", 2).await;
+    let done = wait_for_turns_within(&sessions, "s1", 2, TURN_WAIT).await;
     assert_eq!(done.state.and_then(|s| s.last_turn_error), None);
     let versions = runner_versions(&stack, "Refuse", "s1").await;
     assert_eq!(
@@ -504,7 +534,7 @@ async fn a_ten_percent_ramp_over_a_thousand_sessions_lands_within_three_points()
     let sessions = stack.sessions("Ramp");
     // The first worker start activated the config's version; ramp v2.
     sessions.start_session("warm", "go").await.unwrap();
-    wait_for_turns(&sessions, "warm", 1).await;
+    wait_for_turns_within(&sessions, "warm", 1, TURN_WAIT).await;
     let v2 = stack.dir.path().join("scripted-runner-v2.wasm");
     let ramp = activate(
         &stack,
@@ -519,12 +549,12 @@ async fn a_ten_percent_ramp_over_a_thousand_sessions_lands_within_three_points()
         sessions.start_session(id, "one").await.unwrap();
     }
     for id in &ids {
-        wait_for_turns(&sessions, id, 1).await;
+        wait_for_turns_within(&sessions, id, 1, TURN_WAIT).await;
         sessions.send_user_message(id, "two").await.unwrap();
     }
     let mut on_new = 0;
     for id in &ids {
-        wait_for_turns(&sessions, id, 2).await;
+        wait_for_turns_within(&sessions, id, 2, TURN_WAIT).await;
         let history = stack.read_step_history(id).await;
         let ran: BTreeSet<&str> = history
             .iter()
@@ -562,6 +592,7 @@ async fn gc_keeps_every_version_in_use_and_every_step_ran_its_pin() {
     let mut stack = AgentTestStack::new(vec![agent]);
     stack.start_worker();
     stack.start_worker();
+    wait_for_bootstrap(&stack, "Gc").await;
     let sessions = stack.sessions("Gc");
     // Three runner versions and two tool versions, each with sessions
     // started on it; the sessions of v2 stay held inside their tool call.
@@ -615,7 +646,7 @@ async fn gc_keeps_every_version_in_use_and_every_step_ran_its_pin() {
     assert!(!removed.contains(&runners[1]) && !removed.contains(&runners[2]));
     stack.gate("gc-gate").release();
     for id in &started {
-        let done = wait_for_turns(&sessions, id, 1).await;
+        let done = wait_for_turns_within(&sessions, id, 1, TURN_WAIT).await;
         assert_eq!(done.state.and_then(|s| s.last_turn_error), None, "{id}");
     }
     // Every Step ran its pin: a turn's runner Steps the turn_started pin, a
@@ -672,6 +703,7 @@ async fn a_pinned_version_whose_bytes_are_missing_fails_its_step_and_runs_nothin
     .policy("gate", ToolEffect::Read, None);
     let mut stack = AgentTestStack::new(vec![agent]);
     let first = stack.start_worker();
+    wait_for_bootstrap(&stack, "Missing").await;
     let sessions = stack.sessions("Missing");
     let (v2, new) = write_variant(&stack, "scripted-runner", "v2");
     activate(&stack, "Missing", &["--runner", &v2.to_string_lossy()]);
@@ -690,7 +722,7 @@ async fn a_pinned_version_whose_bytes_are_missing_fails_its_step_and_runs_nothin
     stack.kill_worker(first);
     stack.gate("missing-gate").release();
     stack.start_worker();
-    let done = wait_for_turns(&sessions, "s1", 1).await;
+    let done = wait_for_turns_within(&sessions, "s1", 1, TURN_WAIT).await;
     let error = done
         .state
         .and_then(|s| s.last_turn_error)
@@ -718,7 +750,7 @@ async fn the_config_file_is_activated_when_it_changes_and_an_explicit_activation
     let first = stack.start_worker();
     let sessions = stack.sessions("Boot");
     sessions.start_session("s1", "go").await.unwrap();
-    wait_for_turns(&sessions, "s1", 1).await;
+    wait_for_turns_within(&sessions, "s1", 1, TURN_WAIT).await;
     let log = stack
         .deployment
         .catalog
@@ -734,7 +766,7 @@ async fn the_config_file_is_activated_when_it_changes_and_an_explicit_activation
     stack.kill_worker(first);
     let second = stack.start_worker();
     sessions.send_user_message("s1", "again").await.unwrap();
-    wait_for_turns(&sessions, "s1", 2).await;
+    wait_for_turns_within(&sessions, "s1", 2, TURN_WAIT).await;
     assert_eq!(log_len(&stack, "Boot").await, 2);
     let versions = runner_versions(&stack, "Boot", "s1").await;
     assert_eq!(versions.get("turn-2"), Some(&BTreeSet::from([new.clone()])));
@@ -753,7 +785,7 @@ async fn the_config_file_is_activated_when_it_changes_and_an_explicit_activation
     stack.kill_worker(second);
     stack.start_worker();
     sessions.send_user_message("s1", "third").await.unwrap();
-    wait_for_turns(&sessions, "s1", 3).await;
+    wait_for_turns_within(&sessions, "s1", 3, TURN_WAIT).await;
     let log = stack
         .deployment
         .catalog
