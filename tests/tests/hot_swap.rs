@@ -6,7 +6,6 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use dexa::session::AgentSnapshot;
 use dexa::session::{event_type, step, ResolveInterruptRequest, ToolEffect};
 use dexa_tests::guest_bytes;
 use dexa_tests::kit::{render_config, wait_until, AgentTestStack, KitAgent, KitSettings};
@@ -74,10 +73,6 @@ async fn wait_for_bootstrap(stack: &AgentTestStack, agent: &str) {
 /// How long a turn may take here: several tests with real workers (one of
 /// them running 2,000 turns) share two cores.
 const TURN_WAIT: Duration = Duration::from_secs(90);
-
-async fn turns(stack: &AgentTestStack, agent: &str, session: &str, n: u64) -> AgentSnapshot {
-    wait_for_turns_within(&stack.sessions(agent), session, n, TURN_WAIT).await
-}
 
 fn activate(stack: &AgentTestStack, agent: &str, args: &[&str]) -> Value {
     let mut all = vec!["agent", "activate", agent];
