@@ -1,8 +1,10 @@
 //! The component catalog's storage rules, run against every store backend
 //! (the SQLite store today): idempotent adds by digest, activations that
 //! refuse an unknown digest and leave the log unchanged, the log read from
-//! a sequence number, removal that keeps the log, and how `dexa.toml`'s
-//! bootstrap activates only a changed file.
+//! a sequence number, removal that keeps the log and never takes a version
+//! activated after the log the gc read, an activation refused when its
+//! role's log moved since it was decided, and how `dexa.toml`'s
+//! bootstrap activates only a file it never named before.
 
 use std::sync::Arc;
 
@@ -48,6 +50,7 @@ fn activation(digest: &str, actor: &str) -> NewActivation {
         upgrade_in_flight: false,
         actor: actor.into(),
         reason: String::new(),
+        after_seq: None,
     }
 }
 
@@ -126,16 +129,18 @@ async fn the_log_is_append_only_and_read_from_a_sequence_number(factory: &dyn Ca
     // Removing a version keeps the log that names it.
     assert_eq!(
         catalog
-            .remove_components(&["d2".to_string()])
+            .remove_components(&["d2".to_string()], second.seq)
             .await
             .unwrap(),
-        1
+        vec!["d2".to_string()]
     );
     assert_eq!(catalog.activations(None).await.unwrap().len(), 2);
     assert_eq!(catalog.component("d2").await.unwrap(), None);
 }
 
-async fn the_config_activates_its_file_only_when_it_changes(factory: &dyn CatalogFactory) {
+async fn the_config_activates_a_version_only_the_first_time_it_names_it(
+    factory: &dyn CatalogFactory,
+) {
     let dir = tempfile::tempdir().unwrap();
     let catalog = factory.open(dir.path());
     for digest in ["file1", "explicit", "file2"] {
@@ -168,8 +173,23 @@ async fn the_config_activates_its_file_only_when_it_changes(factory: &dyn Catalo
         ("file2", CONFIG_ACTOR)
     );
     assert!(config("file2").await.unwrap().is_none());
-    // Back to the first file: that is a change too.
-    assert!(config("file1").await.unwrap().is_some());
+    // A worker still on the first file (a rolling deploy) restarts: the
+    // config named it before, so the newer file stays active, even once a
+    // gc has removed the first file's version.
+    assert!(config("file1").await.unwrap().is_none());
+    catalog
+        .remove_components(&["file1".to_string()], i64::MAX)
+        .await
+        .unwrap();
+    assert!(config("file1").await.unwrap().is_none());
+    let log = catalog.activations(Some("A")).await.unwrap();
+    assert_eq!(
+        RoleStates::from_log(&log)
+            .role("A", RUNNER_ROLE)
+            .and_then(|r| r.current.clone())
+            .as_deref(),
+        Some("file2")
+    );
 }
 
 async fn an_explicit_activation_before_any_start_is_kept_by_the_first_start(
@@ -200,6 +220,96 @@ async fn an_explicit_activation_before_any_start_is_kept_by_the_first_start(
     assert!(changed.is_some());
 }
 
+async fn a_removal_keeps_a_version_activated_after_the_log_it_was_decided_on(
+    factory: &dyn CatalogFactory,
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let catalog = factory.open(dir.path());
+    for digest in ["old", "new", "idle"] {
+        catalog
+            .add_component(record(digest, "a"), b"x".to_vec())
+            .await
+            .unwrap();
+    }
+    let seen = catalog
+        .activate(activation("new", "alice"), ActivateIf::Always)
+        .await
+        .unwrap()
+        .unwrap();
+    // A gc read the log up to `seen` and found `old` unused; an operator
+    // then rolls back to it before the gc removes anything.
+    catalog
+        .activate(activation("old", "bob"), ActivateIf::Always)
+        .await
+        .unwrap()
+        .unwrap();
+    let removed = catalog
+        .remove_components(&["old".to_string(), "idle".to_string()], seen.seq)
+        .await
+        .unwrap();
+    assert_eq!(removed, vec!["idle".to_string()]);
+    assert!(catalog.component_bytes("old").await.unwrap().is_some());
+    // And once the gc has removed a version, activating it is refused.
+    let refused = catalog
+        .activate(activation("idle", "carol"), ActivateIf::Always)
+        .await;
+    assert!(
+        matches!(&refused, Err(CatalogError::NoSuchComponent { .. })),
+        "{refused:?}"
+    );
+}
+
+async fn an_activation_decided_on_an_older_log_of_its_role_is_refused(
+    factory: &dyn CatalogFactory,
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let catalog = factory.open(dir.path());
+    for digest in ["d1", "d2"] {
+        catalog
+            .add_component(record(digest, "a"), b"x".to_vec())
+            .await
+            .unwrap();
+    }
+    let expecting = |digest: &str, after_seq: i64| NewActivation {
+        after_seq: Some(after_seq),
+        ..activation(digest, "alice")
+    };
+    let first = catalog
+        .activate(expecting("d1", 0), ActivateIf::Always)
+        .await
+        .unwrap()
+        .unwrap();
+    // Another role's activation does not move this role's log.
+    let other_role = NewActivation {
+        role: "some-tool".into(),
+        ..activation("d2", "carol")
+    };
+    catalog
+        .activate(other_role, ActivateIf::Always)
+        .await
+        .unwrap();
+    // Bob activates d2 while Alice's rollback to d1 is decided on `first`.
+    let second = catalog
+        .activate(activation("d2", "bob"), ActivateIf::Always)
+        .await
+        .unwrap()
+        .unwrap();
+    let refused = catalog
+        .activate(expecting("d1", first.seq), ActivateIf::Always)
+        .await;
+    assert!(
+        matches!(&refused, Err(CatalogError::Moved { expected, found, .. })
+            if *expected == first.seq && *found == second.seq),
+        "{refused:?}"
+    );
+    assert_eq!(catalog.activations(Some("A")).await.unwrap().len(), 3);
+    assert!(catalog
+        .activate(expecting("d1", second.seq), ActivateIf::Always)
+        .await
+        .unwrap()
+        .is_some());
+}
+
 macro_rules! backends {
     ($($test:ident),* $(,)?) => {
         mod sqlite {
@@ -217,6 +327,8 @@ backends!(
     adding_is_idempotent_by_digest_and_the_first_record_stays,
     an_activation_of_an_unknown_digest_is_refused_and_the_log_is_unchanged,
     the_log_is_append_only_and_read_from_a_sequence_number,
-    the_config_activates_its_file_only_when_it_changes,
+    the_config_activates_a_version_only_the_first_time_it_names_it,
     an_explicit_activation_before_any_start_is_kept_by_the_first_start,
+    a_removal_keeps_a_version_activated_after_the_log_it_was_decided_on,
+    an_activation_decided_on_an_older_log_of_its_role_is_refused,
 );

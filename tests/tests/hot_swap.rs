@@ -347,6 +347,42 @@ async fn an_activation_killed_before_its_log_entry_is_absent_and_no_step_runs_an
             );
         }
     }
+    // A rollback decided on the log and paused before it appends, while
+    // another activation lands: refused, rather than undo the version it
+    // never saw.
+    let (v3, newest) = write_variant(&stack, "scripted-runner", "v3");
+    let pause = stack.dir.path().join("rollback-pause");
+    let rollback = std::process::Command::new(dexa_tests::kit::dexa_binary())
+        .args(["agent", "rollback", "Kill"])
+        .env("DEXA_CONFIG", &stack.config_path)
+        .env("DEXA_TEST_ACTIVATION_PAUSE", &pause)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let reached = pause.with_extension("reached");
+    dexa_tests::kit::wait_until("the rollback's pause", Duration::from_secs(60), || {
+        let reached = reached.clone();
+        async move { reached.exists().then_some(()) }
+    })
+    .await;
+    activate(&stack, "Kill", &["--runner", &v3.to_string_lossy()]);
+    let before = log_len(&stack, "Kill").await;
+    std::fs::write(&pause, b"").unwrap();
+    let out = rollback.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("changed meanwhile"),
+        "the rollback went through: {stderr}"
+    );
+    let log = stack
+        .deployment
+        .catalog
+        .activations(Some("Kill"))
+        .await
+        .unwrap();
+    assert_eq!(log.len(), before);
+    assert_eq!(log.last().map(|a| a.digest.as_str()), Some(newest.as_str()));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -503,6 +539,25 @@ async fn refused_activations_name_the_digest_and_the_reason_and_leave_the_active
             "{args:?}: expected {digest} and {reason:?} in {out:?}"
         );
     }
+    // A tool call keeps its deferral version: there is nothing in flight to
+    // move for a tool component.
+    let same_tool = format!("gate-tool={}", gate_tool.display());
+    let out = dexa_cli(
+        &stack,
+        &[
+            "agent",
+            "activate",
+            "Refuse",
+            "--tool",
+            &same_tool,
+            "--upgrade-in-flight",
+        ],
+        &[],
+    );
+    assert!(
+        !out.success && out.stderr.contains("has no turns to move"),
+        "{out:?}"
+    );
     assert_eq!(
         log_len(&stack, "Refuse").await,
         before,
@@ -705,18 +760,32 @@ async fn a_pinned_version_whose_bytes_are_missing_fails_its_step_and_runs_nothin
     tokio::time::sleep(Duration::from_millis(600)).await;
     sessions.start_session("s1", "go").await.unwrap();
     stack.gate("missing-gate").wait_until_reached().await;
-    // The bytes go (as a broken store or a bad manual edit would do it),
-    // the worker that had the version loaded dies, and v1 is active again.
-    dexa_cli(&stack, &["agent", "rollback", "Missing"], &[]).json();
+    // The bytes go (as a broken store or a bad manual edit would do it)
+    // while the version is still active, and the worker that had it loaded
+    // dies. A new worker still starts: only the turns that take the version
+    // fail, with the digest named.
     stack
         .deployment
         .catalog
-        .remove_components(std::slice::from_ref(&new))
+        .remove_components(std::slice::from_ref(&new), i64::MAX)
         .await
         .unwrap();
     stack.kill_worker(first);
-    stack.gate("missing-gate").release();
     stack.start_worker();
+    sessions.start_session("s2", "go").await.unwrap();
+    let refused = wait_for_turns_within(&sessions, "s2", 1, TURN_WAIT).await;
+    let error = refused
+        .state
+        .and_then(|s| s.last_turn_error)
+        .unwrap_or_else(|| panic!("a new turn on the missing version should fail"));
+    assert!(
+        error.contains(&new) && error.contains("not in the registry"),
+        "{error}"
+    );
+    // With v1 active again, the turn pinned to v2 still fails rather than
+    // fall back to it.
+    dexa_cli(&stack, &["agent", "rollback", "Missing"], &[]).json();
+    stack.gate("missing-gate").release();
     let done = wait_for_turns_within(&sessions, "s1", 1, TURN_WAIT).await;
     let error = done
         .state
@@ -778,7 +847,7 @@ async fn the_config_file_is_activated_when_it_changes_and_an_explicit_activation
     )
     .unwrap();
     stack.kill_worker(second);
-    stack.start_worker();
+    let on_v3 = stack.start_worker();
     sessions.send_user_message("s1", "third").await.unwrap();
     wait_for_turns_within(&sessions, "s1", 3, TURN_WAIT).await;
     let log = stack
@@ -793,5 +862,19 @@ async fn the_config_file_is_activated_when_it_changes_and_an_explicit_activation
         ("config", newest.as_str())
     );
     let versions = runner_versions(&stack, "Boot", "s1").await;
-    assert_eq!(versions.get("turn-3"), Some(&BTreeSet::from([newest])));
+    assert_eq!(
+        versions.get("turn-3"),
+        Some(&BTreeSet::from([newest.clone()]))
+    );
+    // A worker that restarts on the older dexa.toml (a rolling deploy not
+    // yet done) does not bring the older file back. It is the only worker,
+    // so the next turn ends only after its start.
+    std::fs::write(&stack.config_path, &config).unwrap();
+    stack.kill_worker(on_v3);
+    stack.start_worker();
+    sessions.send_user_message("s1", "fourth").await.unwrap();
+    wait_for_turns_within(&sessions, "s1", 4, TURN_WAIT).await;
+    assert_eq!(log_len(&stack, "Boot").await, 3);
+    let versions = runner_versions(&stack, "Boot", "s1").await;
+    assert_eq!(versions.get("turn-4"), Some(&BTreeSet::from([newest])));
 }

@@ -179,7 +179,7 @@ pub fn document() -> Value {
 fn schemas() -> Value {
     json!({
         "Error": {"type": "object", "required": ["error"], "properties": {"error": {"type": "object", "required": ["code", "message"], "properties": {
-            "code": {"type": "string", "enum": ["bad_request", "unauthorized", "not_found", "already_exists", "conflict", "not_running", "busy", "method_not_allowed", "store_unavailable", "internal", "payload_too_large", "message_too_large", "invalid_idempotency_key", "idempotency_key_reused", "activation_refused", "nothing_to_roll_back"]},
+            "code": {"type": "string", "enum": ["bad_request", "unauthorized", "not_found", "already_exists", "conflict", "not_running", "busy", "method_not_allowed", "store_unavailable", "internal", "payload_too_large", "message_too_large", "invalid_idempotency_key", "idempotency_key_reused", "activation_refused", "nothing_to_roll_back", "activation_log_moved"]},
             "message": {"type": "string"}}}}},
         "AgentList": {"type": "object", "properties": {"agents": {"type": "array", "items": {"type": "object", "properties": {
             "name": {"type": "string"}, "runner": {"type": "string"}, "tool_components": {"type": "array", "items": {"type": "string"}}, "model": {"type": ["string", "null"]}}}}}},

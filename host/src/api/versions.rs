@@ -55,6 +55,13 @@ fn actor(headers: &HeaderMap) -> String {
 }
 
 fn refused(err: ActivationRefused) -> ApiError {
+    if err.log_moved {
+        return ApiError::new(
+            StatusCode::CONFLICT,
+            "activation_log_moved",
+            err.to_string(),
+        );
+    }
     ApiError::new(
         StatusCode::UNPROCESSABLE_ENTITY,
         "activation_refused",
@@ -192,6 +199,7 @@ async fn activate_version(
             upgrade_in_flight: request.upgrade_in_flight,
             actor: actor(&headers),
             reason: request.reason,
+            after_seq: None,
         },
     )
     .await
@@ -229,8 +237,9 @@ async fn roll_back(
         ActivationRequest {
             agent,
             role,
-            reason: rollback_reason(&target, request.reason),
-            source: VersionSource::Digest(target),
+            reason: rollback_reason(&target.digest, request.reason),
+            source: VersionSource::Digest(target.digest),
+            after_seq: Some(target.after_seq),
             mode: ActivationMode::Current,
             upgrade_in_flight: request.upgrade_in_flight,
             actor: actor(&headers),
@@ -241,3 +250,28 @@ async fn roll_back(
 
 /// Where [`ApiState`] keeps the engine, once made.
 pub(super) type EngineCell = Arc<tokio::sync::OnceCell<SandboxEngine>>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_rollback_that_lost_its_race_is_a_conflict_and_a_bad_version_is_unprocessable() {
+        let refusal = |log_moved| ActivationRefused {
+            digest: Some("d".into()),
+            reason: "why".into(),
+            log_moved,
+        };
+        let moved = refused(refusal(true));
+        assert_eq!(
+            (moved.status, moved.code),
+            (StatusCode::CONFLICT, "activation_log_moved")
+        );
+        let bad = refused(refusal(false));
+        assert_eq!(
+            (bad.status, bad.code),
+            (StatusCode::UNPROCESSABLE_ENTITY, "activation_refused")
+        );
+        assert!(bad.message.contains("why"));
+    }
+}

@@ -111,6 +111,11 @@ pub struct NewActivation {
     pub upgrade_in_flight: bool,
     pub actor: String,
     pub reason: String,
+    /// Append only if the role's newest activation is still this one
+    /// (`Some(0)`: the role has none yet); `None` appends in any case. A
+    /// rollback decides its target from the log, and an activation since
+    /// would otherwise be undone by it unseen.
+    pub after_seq: Option<i64>,
 }
 
 /// One entry of the activation log.
@@ -132,13 +137,15 @@ pub struct Activation {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ActivateIf {
     Always,
-    /// `dexa.toml`'s bootstrap: the store remembers which version the
-    /// config named for the role at the last start, and appends only when
-    /// this one differs. So `dexa.toml` activates its file when the file
-    /// changes, and an explicit activation stands while it does not. The
-    /// first version a store sees for a role is activated unless the role
-    /// was already activated explicitly (an operator who activated before
-    /// any worker started keeps that version).
+    /// `dexa.toml`'s bootstrap: the store remembers every version the
+    /// config has named for the role, and appends only for one it never
+    /// named. So `dexa.toml` activates its file when a new file is
+    /// deployed, an explicit activation stands while it is not, and a
+    /// worker still on an older `dexa.toml` (a rolling deploy) does not
+    /// activate the older file again. The first version a store sees for a
+    /// role is activated unless the role was already activated explicitly
+    /// (an operator who activated before any worker started keeps that
+    /// version).
     ConfigChanged,
 }
 
@@ -147,6 +154,16 @@ pub enum ActivateIf {
 pub enum CatalogError {
     #[error("component {digest} is not in the registry")]
     NoSuchComponent { digest: String },
+    #[error(
+        "the activation log of agent {agent:?} ({role}) changed meanwhile: its newest entry is \
+         {found}, not {expected}"
+    )]
+    Moved {
+        agent: String,
+        role: String,
+        expected: i64,
+        found: i64,
+    },
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -164,8 +181,19 @@ pub trait CatalogStore: Send + Sync + 'static {
     async fn component(&self, digest: &str) -> Result<Option<ComponentRecord>, StoreError>;
     async fn component_bytes(&self, digest: &str) -> Result<Option<Vec<u8>>, StoreError>;
     async fn list_components(&self) -> Result<Vec<ComponentRecord>, StoreError>;
-    /// Removes components and their bytes; activations that name them stay.
-    async fn remove_components(&self, digests: &[String]) -> Result<u64, StoreError>;
+    /// Removes components and their bytes, except any that an activation
+    /// after `seen_seq` names: a gc decided from the log up to `seen_seq`,
+    /// and an activation recorded since may have made a version active
+    /// again. The check and the removal are one transaction, and
+    /// [`CatalogStore::activate`] checks the version is still there in its
+    /// own, so an activation and a gc never leave an active version without
+    /// bytes. Activations that name removed versions stay. Returns the
+    /// digests removed.
+    async fn remove_components(
+        &self,
+        digests: &[String],
+        seen_seq: i64,
+    ) -> Result<Vec<String>, StoreError>;
     /// Appends an activation in one transaction that also checks that the
     /// digest is in the registry. `None` when `only_if` held it back.
     async fn activate(

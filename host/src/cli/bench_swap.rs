@@ -219,6 +219,7 @@ pub async fn run(args: SwapBenchArgs) -> anyhow::Result<()> {
                     upgrade_in_flight: false,
                     actor: "bench".to_string(),
                     reason: format!("swap {n}"),
+                    after_seq: None,
                 };
                 match activate(&config, &engine, &*catalog, request).await {
                     Ok(activation) => {
@@ -289,6 +290,7 @@ async fn activate_one(
         upgrade_in_flight: false,
         actor: "bench".to_string(),
         reason: "warm-up".to_string(),
+        after_seq: None,
     };
     activate(&deployment.config, engine, &*deployment.catalog, request).await?;
     Ok(())

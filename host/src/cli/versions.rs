@@ -205,6 +205,7 @@ pub async fn activate_command(args: ActivateArgs) -> anyhow::Result<()> {
             upgrade_in_flight: args.upgrade_in_flight,
             actor: args.catalog.actor(),
             reason: args.reason,
+            after_seq: None,
         },
     )
     .await?;
@@ -224,8 +225,9 @@ pub async fn rollback(args: RollbackArgs) -> anyhow::Result<()> {
         ActivationRequest {
             agent: args.agent,
             role,
-            reason: rollback_reason(&target, args.reason),
-            source: VersionSource::Digest(target),
+            reason: rollback_reason(&target.digest, args.reason),
+            source: VersionSource::Digest(target.digest),
+            after_seq: Some(target.after_seq),
             mode: ActivationMode::Current,
             upgrade_in_flight: args.upgrade_in_flight,
             actor: args.catalog.actor(),

@@ -41,6 +41,9 @@ impl VersionSource {
 pub struct ActivationRefused {
     pub digest: Option<String>,
     pub reason: String,
+    /// The log changed since the request was decided (a rollback raced
+    /// another activation): nothing is wrong with the version.
+    pub log_moved: bool,
 }
 
 fn refuse(digest: Option<&str>, reason: impl Into<String>) -> ActivationRefused {
@@ -51,6 +54,7 @@ fn refuse(digest: Option<&str>, reason: impl Into<String>) -> ActivationRefused 
             None => reason,
         },
         digest: digest.map(str::to_string),
+        log_moved: false,
     }
 }
 
@@ -65,6 +69,9 @@ pub struct ActivationRequest {
     pub upgrade_in_flight: bool,
     pub actor: String,
     pub reason: String,
+    /// See [`NewActivation::after_seq`]: a rollback's, from
+    /// [`rollback_request`].
+    pub after_seq: Option<i64>,
 }
 
 /// Verifies `wasm` for `role` (it compiles, matches its world, is
@@ -174,7 +181,13 @@ pub async fn activate(
     let wasm = match &request.source {
         VersionSource::File(path) => read_file(path)?,
         VersionSource::Digest(digest) => match catalog.component_bytes(digest).await {
-            Ok(Some(bytes)) => bytes,
+            Ok(Some(bytes)) if sha256_hex(&bytes) == *digest => bytes,
+            Ok(Some(_)) => {
+                return Err(refuse(
+                    Some(digest),
+                    "its stored bytes hash to another digest: the registry is corrupt",
+                ))
+            }
             Ok(None) => return Err(refuse(Some(digest), "it is not in the registry")),
             Err(err) => return Err(refuse(Some(digest), format!("the store: {err}"))),
         },
@@ -189,6 +202,18 @@ pub async fn activate(
         &request.actor,
     )
     .await?;
+    if request.upgrade_in_flight && request.role != RUNNER_ROLE {
+        // A tool call keeps the version it was deferred with to its end;
+        // only a turn's runner moves.
+        return Err(refuse(
+            Some(&record.digest),
+            format!(
+                "upgrade in flight moves open turns to a new runner; tool component {:?} has \
+                 no turns to move (each tool call keeps the version it was deferred with)",
+                request.role
+            ),
+        ));
+    }
     activation_test_pause();
     let appended = catalog
         .activate(
@@ -200,6 +225,7 @@ pub async fn activate(
                 upgrade_in_flight: request.upgrade_in_flight,
                 actor: request.actor,
                 reason: request.reason,
+                after_seq: request.after_seq,
             },
             ActivateIf::Always,
         )
@@ -211,6 +237,15 @@ pub async fn activate(
             Some(&digest),
             "it left the registry before it was activated (a gc ran meanwhile); add it again",
         )),
+        Err(moved @ CatalogError::Moved { .. }) => Err(ActivationRefused {
+            log_moved: true,
+            ..refuse(
+                Some(&record.digest),
+                format!(
+                    "{moved}; look at `dexa agent versions` and roll back again if still needed"
+                ),
+            )
+        }),
         Err(err) => Err(refuse(Some(&record.digest), err.to_string())),
     }
 }
@@ -259,27 +294,42 @@ pub async fn add_component(
     Ok((record, added))
 }
 
+/// A rollback to decide: the version it activates, and the newest entry of
+/// the role's log it was decided on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RollbackTarget {
+    pub digest: String,
+    /// The activation appends only while this is still the role's newest
+    /// entry, so a rollback never undoes an activation it did not see.
+    pub after_seq: i64,
+}
+
 /// A rollback of `role`: the activation of the version that was current
 /// before (or, while a ramp stands, of the current one, ending the ramp).
 pub async fn rollback_request(
     catalog: &dyn CatalogStore,
     agent: &str,
     role: &str,
-) -> Result<String, ActivationRefused> {
+) -> Result<RollbackTarget, ActivationRefused> {
     let log = catalog
         .activations(Some(agent))
         .await
         .map_err(|err| refuse(None, format!("the activation log is unreadable: {err}")))?;
-    RoleStates::from_log(&log)
-        .role(agent, role)
-        .and_then(|s| s.rollback_target())
-        .map(str::to_string)
-        .ok_or_else(|| {
-            refuse(
-                None,
-                format!("agent {agent:?} ({role}) has no earlier version to roll back to"),
-            )
-        })
+    let states = RoleStates::from_log(&log);
+    let state = states.role(agent, role);
+    match (
+        state.and_then(|s| s.rollback_target()),
+        state.and_then(|s| s.last.as_ref()),
+    ) {
+        (Some(digest), Some(last)) => Ok(RollbackTarget {
+            digest: digest.to_string(),
+            after_seq: last.seq,
+        }),
+        _ => Err(refuse(
+            None,
+            format!("agent {agent:?} ({role}) has no earlier version to roll back to"),
+        )),
+    }
 }
 
 /// The reason a rollback records when none is given.

@@ -185,11 +185,9 @@ impl Deployment {
                 agent_versions.preloaded_tool(name, tool);
             }
             // Versions activated explicitly (not the files) load now, so the
-            // first turn does not compile.
-            agent_versions
-                .preload()
-                .await
-                .map_err(|err| anyhow::anyhow!("agent {:?}: {err}", agent.name))?;
+            // first turn does not compile; one that fails is logged, and
+            // only the turns that take it fail.
+            agent_versions.preload().await;
             let mut components = AgentComponents::from_catalog(agent_versions);
             if let Some(model) = agent.model.as_ref().and_then(|m| models.get(m)) {
                 components = components.with_model(model.clone());

@@ -16,10 +16,12 @@ use crate::catalog::{short_digest, CatalogStore, RoleStates};
 use crate::flow::{FlowStatus, FlowStore, MapQuery, StoreError, StoreMillis};
 use crate::session::{AgentState, AgentToolCall, AGENT_STATE, AGENT_TOOL_CALLS};
 
-/// The default grace period: longer than any first Step of a turn may take
-/// before it commits its pin (`build-user-message` may run 60 s, and it is
-/// retried).
-pub const DEFAULT_GRACE: Duration = Duration::from_secs(10 * 60);
+/// The default grace period: one hour, longer than the first Step of a turn
+/// may take before it commits its pin. That Step is `build-user-message` or,
+/// for a turn with no note, its first RunModel, whose model call an agent may
+/// allow up to `model_step_timeout` (10 min by default) and which is retried.
+/// An operator with longer timeouts passes a longer `--grace`.
+pub const DEFAULT_GRACE: Duration = Duration::from_secs(60 * 60);
 
 /// What a gc did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -80,6 +82,7 @@ pub async fn collect(
     let now: StoreMillis = store.now().await?;
     let grace_ms = i64::try_from(grace.as_millis()).unwrap_or(i64::MAX);
     let log = catalog.activations(None).await?;
+    let seen_seq = log.last().map_or(0, |a| a.seq);
     // When each version was last active, and why the active ones are.
     let mut states = RoleStates::default();
     let mut last_active: BTreeMap<String, StoreMillis> = BTreeMap::new();
@@ -103,7 +106,7 @@ pub async fn collect(
     for (digest, why) in pinned_versions(store).await? {
         kept.entry(digest).or_insert(why);
     }
-    let mut removed = Vec::new();
+    let mut candidates = Vec::new();
     for record in catalog.list_components().await? {
         if kept.contains_key(&record.digest) {
             continue;
@@ -130,9 +133,16 @@ pub async fn collect(
             );
             continue;
         }
-        removed.push(record.digest);
+        candidates.push(record.digest);
     }
-    catalog.remove_components(&removed).await?;
+    // An activation recorded since the log was read keeps its version.
+    let removed = catalog.remove_components(&candidates, seen_seq).await?;
+    for digest in candidates.into_iter().filter(|d| !removed.contains(d)) {
+        kept.insert(
+            digest,
+            "activated while the gc ran (or removed by another gc)".to_string(),
+        );
+    }
     tracing::info!(
         removed = removed.len(),
         kept = kept.len(),

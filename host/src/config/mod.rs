@@ -429,7 +429,8 @@ impl DexaConfig {
                     return Err(loc.at(
                         tool.span(),
                         "a tool component may not be named \"runner\": that name is the runner's \
-                         role in the activation log (rename the component)",
+                         role in the activation log (rename the component)"
+                            .to_string(),
                     ));
                 }
                 claim(tool, ComponentRole::Tool)?;
@@ -1112,7 +1113,7 @@ limits = { memory = "64MiB", fuel = 1_000, max_concurrent_calls = 2, output = 40
             ("[components.a]\npath = \"a.wasm\"\nlimits = { memory = -1 }\n", 3, "a whole number of bytes"),
             ("[components.a]\npath = \"a.wasm\"\nhttp = [\"::1:8080\"]\n", 3, "IPv6 host in brackets"),
             ("[components.r]\npath = \"r.wasm\"\n[agents.A]\nrunner = \"r\"\nmodel_step_timeout = \"0s\"\n", 5, "model_step_timeout must be longer than 0"),
-            ("[components.r]\npath = \"r.wasm\"\n[components.runner]\npath = \"t.wasm\"\n[agents.A]\nrunner = \"r\"\ntools = [\"runner\"]\n", 6, "may not be named \"runner\""),
+            ("[components.r]\npath = \"r.wasm\"\n[components.runner]\npath = \"t.wasm\"\n[agents.A]\nrunner = \"r\"\ntools = [\"runner\"]\n", 7, "may not be named \"runner\""),
         ];
         for (text, line, needle) in cases {
             let err = match parse(text) {

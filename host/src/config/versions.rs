@@ -4,11 +4,12 @@
 //!
 //! How the two paths meet: `dexa.toml` names a file per role. At start, a
 //! worker (or `dexa serve`) adds that file's version to the catalog and
-//! activates it, as actor `config`, **only when the file changed** since the
-//! last start (see [`ActivateIf::ConfigChanged`]). So an explicit activation
-//! (`dexa agent activate`) stands across restarts until someone deploys a
-//! new file, and a new file wins over an older explicit activation, recorded
-//! in the log.
+//! activates it, as actor `config`, **only when the config never named that
+//! version before** (see [`ActivateIf::ConfigChanged`]). So an explicit
+//! activation (`dexa agent activate`) stands across restarts until someone
+//! deploys a new file, a new file wins over an older explicit activation,
+//! recorded in the log, and a worker restarted on an older `dexa.toml`
+//! during a rolling deploy does not bring its older file back.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -18,13 +19,13 @@ use async_trait::async_trait;
 
 use super::{ComponentConfig, DexaConfig};
 use crate::catalog::{
-    ActivateIf, Activation, ActivationMode, CatalogError, CatalogStore, CatalogTool,
-    ComponentRecord, NewActivation, CONFIG_ACTOR, RUNNER_ROLE,
+    short_digest, ActivateIf, Activation, ActivationMode, CatalogError, CatalogStore, CatalogTool,
+    ComponentRecord, NewActivation, RoleStates, CONFIG_ACTOR, RUNNER_ROLE,
 };
 use crate::plugin::{
     ComponentSettings, RunnerComponent, SandboxConfig, SandboxEngine, ToolComponent, World,
 };
-use crate::session::{ComponentLoader, ToolEffect};
+use crate::session::{ComponentLoader, ToolEffect, VersionError};
 
 /// Loads versions with the settings `dexa.toml` gives each role.
 pub struct ConfigLoader {
@@ -36,21 +37,33 @@ pub struct ConfigLoader {
 }
 
 impl ConfigLoader {
-    fn settings_of(&self, component: &str) -> Result<ComponentSettings, String> {
-        self.settings
-            .get(component)
-            .cloned()
-            .ok_or_else(|| format!("component {component:?} has no settings in dexa.toml"))
+    fn settings_of(&self, component: &str) -> Result<ComponentSettings, VersionError> {
+        self.settings.get(component).cloned().ok_or_else(|| {
+            VersionError::Invalid(format!(
+                "component {component:?} has no settings in dexa.toml"
+            ))
+        })
     }
 }
 
-fn check_digest(expected: &str, loaded: &str) -> Result<(), String> {
+fn check_digest(expected: &str, loaded: &str) -> Result<(), VersionError> {
     if expected == loaded {
         Ok(())
     } else {
-        Err(format!(
+        Err(VersionError::Invalid(format!(
             "the stored bytes hash to {loaded}, not {expected}: the registry is corrupt"
-        ))
+        )))
+    }
+}
+
+/// A loading task that did not finish: a panic (in the host, on these
+/// bytes) would repeat, so the version is unusable; a cancelled one (the
+/// worker is shutting down) may load next time.
+fn stopped(err: tokio::task::JoinError) -> VersionError {
+    if err.is_panic() {
+        VersionError::Invalid(format!("loading panicked: {err}"))
+    } else {
+        VersionError::Unavailable(format!("loading stopped: {err}"))
     }
 }
 
@@ -61,18 +74,18 @@ impl ComponentLoader for ConfigLoader {
         agent: &str,
         digest: &str,
         wasm: Vec<u8>,
-    ) -> Result<RunnerComponent, String> {
+    ) -> Result<RunnerComponent, VersionError> {
         let component = self
             .runners
             .get(agent)
-            .ok_or_else(|| format!("agent {agent:?} is not in dexa.toml"))?;
+            .ok_or_else(|| VersionError::Invalid(format!("agent {agent:?} is not in dexa.toml")))?;
         let settings = self.settings_of(component)?;
         let engine = self.engine.clone();
         // Compiling is CPU work of up to seconds: off the runtime's threads.
         let runner = tokio::task::spawn_blocking(move || engine.load_runner(&wasm, settings))
             .await
-            .map_err(|err| format!("loading stopped: {err}"))?
-            .map_err(|err| err.to_string())?;
+            .map_err(stopped)?
+            .map_err(|err| VersionError::Invalid(err.to_string()))?;
         check_digest(digest, &runner.info().sha256)?;
         Ok(runner)
     }
@@ -83,13 +96,19 @@ impl ComponentLoader for ConfigLoader {
         role: &str,
         digest: &str,
         wasm: Vec<u8>,
-    ) -> Result<ToolComponent, String> {
+    ) -> Result<ToolComponent, VersionError> {
         let settings = self.settings_of(role)?;
-        let tool = self
-            .engine
-            .load_tool(&wasm, settings)
-            .await
-            .map_err(|err| err.to_string())?;
+        let engine = self.engine.clone();
+        // Compiling is CPU work of up to seconds, and `list-tools` runs
+        // the guest: both off the runtime's threads, which serve the
+        // worker's other Steps meanwhile.
+        let runtime = tokio::runtime::Handle::current();
+        let tool = tokio::task::spawn_blocking(move || {
+            runtime.block_on(engine.load_tool(&wasm, settings))
+        })
+        .await
+        .map_err(stopped)?
+        .map_err(|err| VersionError::Invalid(err.to_string()))?;
         check_digest(digest, &tool.info().sha256)?;
         Ok(tool)
     }
@@ -177,7 +196,8 @@ pub fn role_component<'a>(
 }
 
 /// Adds the config's file version of one role and activates it as actor
-/// `config` when the file changed since the role's last `config` activation.
+/// `config` when the config never named that version before (see
+/// [`ActivateIf::ConfigChanged`]).
 pub async fn bootstrap_role(
     catalog: &dyn CatalogStore,
     agent: &str,
@@ -187,21 +207,51 @@ pub async fn bootstrap_role(
     path: &Path,
 ) -> Result<Option<Activation>, CatalogError> {
     let digest = record.digest.clone();
-    catalog.add_component(record, wasm).await?;
-    catalog
-        .activate(
-            NewActivation {
-                agent: agent.to_string(),
-                role: role.to_string(),
-                digest,
-                mode: ActivationMode::Current,
-                upgrade_in_flight: false,
-                actor: CONFIG_ACTOR.to_string(),
-                reason: format!("dexa.toml names {}", path.display()),
-            },
-            ActivateIf::ConfigChanged,
-        )
+    let activation = NewActivation {
+        agent: agent.to_string(),
+        role: role.to_string(),
+        digest: digest.clone(),
+        mode: ActivationMode::Current,
+        upgrade_in_flight: false,
+        actor: CONFIG_ACTOR.to_string(),
+        after_seq: None,
+        reason: format!("dexa.toml names {}", path.display()),
+    };
+    catalog.add_component(record.clone(), wasm.clone()).await?;
+    let activated = match catalog
+        .activate(activation.clone(), ActivateIf::ConfigChanged)
         .await
+    {
+        // A gc removed the version between the add and the activation (it
+        // was added long ago and never active): add it again, once.
+        Err(CatalogError::NoSuchComponent { .. }) => {
+            catalog.add_component(record, wasm).await?;
+            catalog
+                .activate(activation, ActivateIf::ConfigChanged)
+                .await?
+        }
+        other => other?,
+    };
+    if activated.is_none() {
+        let log = catalog.activations(Some(agent)).await?;
+        let states = RoleStates::from_log(&log);
+        let current = states.role(agent, role).and_then(|s| s.current.as_deref());
+        if current.is_some_and(|current| current != digest) {
+            // Reverting dexa.toml to a file it named before does not bring
+            // that version back (a worker on an older config would undo a
+            // rolling deploy); say so where the operator looks.
+            tracing::warn!(
+                agent,
+                role,
+                "dexa.toml names {} (version {}), which it named before; it stays as it is, and \
+                 version {} stays current (use `dexa agent activate` or `rollback` to change it)",
+                path.display(),
+                short_digest(&digest),
+                short_digest(current.unwrap_or_default()),
+            );
+        }
+    }
+    Ok(activated)
 }
 
 /// The loader a worker of `config` uses, with `settings` by component name.

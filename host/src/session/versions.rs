@@ -17,7 +17,10 @@ use crate::catalog::{short_digest, CatalogStore, RoleState, RoleStates, RUNNER_R
 use crate::plugin::{RunnerComponent, ToolComponent};
 
 /// Builds a loaded component from a version's bytes, with the settings
-/// (grants, limits, config) the operator gave the role.
+/// (grants, limits, config) the operator gave the role. A version that
+/// cannot load is [`VersionError::Invalid`]; a failure a later attempt may
+/// not meet (the loading task was stopped, say) is
+/// [`VersionError::Unavailable`].
 #[async_trait]
 pub trait ComponentLoader: Send + Sync {
     async fn load_runner(
@@ -25,14 +28,23 @@ pub trait ComponentLoader: Send + Sync {
         agent: &str,
         digest: &str,
         wasm: Vec<u8>,
-    ) -> Result<RunnerComponent, String>;
+    ) -> Result<RunnerComponent, VersionError>;
     async fn load_tool(
         &self,
         agent: &str,
         role: &str,
         digest: &str,
         wasm: Vec<u8>,
-    ) -> Result<ToolComponent, String>;
+    ) -> Result<ToolComponent, VersionError>;
+}
+
+/// Puts `what` before the reason, keeping whether a later attempt may do.
+fn in_context(what: String, err: VersionError) -> VersionError {
+    match err {
+        VersionError::Missing(reason) => VersionError::Missing(format!("{what}: {reason}")),
+        VersionError::Invalid(reason) => VersionError::Invalid(format!("{what}: {reason}")),
+        VersionError::Unavailable(reason) => VersionError::Unavailable(format!("{what}: {reason}")),
+    }
 }
 
 /// The activation log, folded, shared by every agent of a worker.
@@ -184,22 +196,39 @@ impl CatalogVersions {
     }
 
     /// Loads every version a new turn may take now, so the first turn after
-    /// a start does not compile.
-    pub async fn preload(&self) -> Result<(), VersionError> {
-        let states = self.watch.current().await?;
+    /// a start does not compile. A version that fails to load does not stop
+    /// the worker (its other agents and versions still serve): it is logged
+    /// and returned, and the turns that take it fail with the same error.
+    pub async fn preload(&self) -> Vec<VersionError> {
+        let mut failed = Vec::new();
+        let states = match self.watch.current().await {
+            Ok(states) => states,
+            Err(err) => {
+                tracing::warn!(agent = %self.agent, "no version preloaded: {err}");
+                failed.push(err);
+                return failed;
+            }
+        };
         if let Some(role) = states.role(&self.agent, RUNNER_ROLE) {
             for digest in role.active() {
-                self.runner(digest).await?;
+                if let Err(err) = self.runner(digest).await {
+                    failed.push(err);
+                }
             }
         }
         for role_name in &self.tool_roles {
             if let Some(role) = states.role(&self.agent, role_name) {
                 for digest in role.active() {
-                    self.tool(role_name, digest).await?;
+                    if let Err(err) = self.tool(role_name, digest).await {
+                        failed.push(err);
+                    }
                 }
             }
         }
-        Ok(())
+        for err in &failed {
+            tracing::warn!(agent = %self.agent, "an active version did not load: {err}");
+        }
+        failed
     }
 
     fn runner_cell(&self, digest: &str) -> Cell<RunnerComponent> {
@@ -267,11 +296,7 @@ impl CatalogVersions {
                 .loader
                 .load_runner(&self.agent, digest, bytes)
                 .await
-                .map_err(|reason| {
-                    VersionError::Invalid(format!(
-                        "runner version {digest} does not load: {reason}"
-                    ))
-                })?;
+                .map_err(|err| in_context(format!("runner version {digest} does not load"), err))?;
             Ok(Arc::new(runner))
         })
         .await
@@ -290,10 +315,11 @@ impl CatalogVersions {
                 .loader
                 .load_tool(&self.agent, role, digest, bytes)
                 .await
-                .map_err(|reason| {
-                    VersionError::Invalid(format!(
-                        "tool component {role:?} version {digest} does not load: {reason}"
-                    ))
+                .map_err(|err| {
+                    in_context(
+                        format!("tool component {role:?} version {digest} does not load"),
+                        err,
+                    )
                 })?;
             Ok(Arc::new(tool))
         })

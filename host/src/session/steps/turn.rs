@@ -105,12 +105,17 @@ impl SessionSteps {
         // A new turn takes the version active for this session now (or its
         // ramp's), and keeps it to its end.
         // These Steps have no failure route, so a version they cannot have
-        // is retried, and then gives the message up with the reason.
+        // is retried, and then gives the message up with the reason; one
+        // the store could not hand over (it did not answer) never ran, so
+        // the message waits in the queue instead.
         let pinned = self
             .components()?
             .new_turn_runner(ctx.flow_id())
             .await
-            .map_err(|err| retryable(err.to_string()));
+            .map_err(|err| match err {
+                VersionError::Unavailable(_) => retryable(format!("{NOT_STARTED}{err}")),
+                VersionError::Missing(_) | VersionError::Invalid(_) => retryable(err.to_string()),
+            });
         let built = match &pinned {
             Ok(runner) => self.user_message(ctx, &tag, text, runner).await,
             Err(err) => Err(err.clone()),

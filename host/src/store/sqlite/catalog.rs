@@ -68,33 +68,35 @@ fn to_record(digest: &str, text: String) -> Result<ComponentRecord, StoreError> 
 }
 
 /// Records the version `dexa.toml` names for the role now, and says whether
-/// it is to be activated: when it differs from the one named at the last
-/// start, except that the first one a store sees stands back for a role
-/// already activated explicitly.
+/// it is to be activated: when the config has never named it before, except
+/// that the first one a store sees stands back for a role already activated
+/// explicitly. A version the config named once is never activated by it
+/// again, so a worker that restarts with an older `dexa.toml` during a
+/// rolling deploy does not undo the newer file's activation.
 fn config_changed(
     conn: &Connection,
     now: StoreMillis,
     activation: &NewActivation,
 ) -> Result<bool, StoreError> {
-    let seen: Option<String> = cached_query_row(
-        conn,
-        "SELECT digest FROM config_versions WHERE agent = ?1 AND role = ?2",
-        params![activation.agent, activation.role],
-        |row| row.get(0),
-    )
-    .optional()
-    .map_err(backend)?;
-    if seen.as_deref() == Some(activation.digest.as_str()) {
-        return Ok(false);
-    }
-    cached_execute(
+    let named = cached_execute(
         conn,
         "INSERT INTO config_versions (agent, role, digest, at_ms) VALUES (?1, ?2, ?3, ?4)
-         ON CONFLICT (agent, role) DO UPDATE SET digest = excluded.digest, at_ms = excluded.at_ms",
+         ON CONFLICT (agent, role, digest) DO NOTHING",
         params![activation.agent, activation.role, activation.digest, now],
     )
     .map_err(backend)?;
-    if seen.is_some() {
+    if named == 0 {
+        return Ok(false);
+    }
+    let others = cached_query_row(
+        conn,
+        "SELECT 1 FROM config_versions WHERE agent = ?1 AND role = ?2 AND digest <> ?3 LIMIT 1",
+        params![activation.agent, activation.role, activation.digest],
+        |_| Ok(()),
+    )
+    .optional()
+    .map_err(backend)?;
+    if others.is_some() {
         return Ok(true);
     }
     let activated = cached_query_row(
@@ -108,6 +110,19 @@ fn config_changed(
     Ok(activated.is_none())
 }
 
+/// Whether `dexa.toml` named this version of the role before.
+fn named_before(conn: &Connection, activation: &NewActivation) -> Result<bool, StoreError> {
+    let named = cached_query_row(
+        conn,
+        "SELECT 1 FROM config_versions WHERE agent = ?1 AND role = ?2 AND digest = ?3",
+        params![activation.agent, activation.role, activation.digest],
+        |_| Ok(()),
+    )
+    .optional()
+    .map_err(backend)?;
+    Ok(named.is_some())
+}
+
 /// Appends `activation` unless `only_if` holds it back; the caller's
 /// transaction makes the check and the append one step.
 fn append(
@@ -116,6 +131,11 @@ fn append(
     activation: NewActivation,
     only_if: ActivateIf,
 ) -> Result<Option<Activation>, CatalogError> {
+    // A version the config named before is left alone, even if a gc has
+    // removed it since (a worker restarted on an older dexa.toml).
+    if only_if == ActivateIf::ConfigChanged && named_before(conn, &activation)? {
+        return Ok(None);
+    }
     let known = cached_query_row(
         conn,
         "SELECT 1 FROM components WHERE digest = ?1",
@@ -128,6 +148,23 @@ fn append(
         return Err(CatalogError::NoSuchComponent {
             digest: activation.digest,
         });
+    }
+    if let Some(expected) = activation.after_seq {
+        let found: i64 = cached_query_row(
+            conn,
+            "SELECT COALESCE(MAX(seq), 0) FROM activations WHERE agent = ?1 AND role = ?2",
+            params![activation.agent, activation.role],
+            |row| row.get(0),
+        )
+        .map_err(backend)?;
+        if found != expected {
+            return Err(CatalogError::Moved {
+                agent: activation.agent,
+                role: activation.role,
+                expected,
+                found,
+            });
+        }
     }
     if only_if == ActivateIf::ConfigChanged && !config_changed(conn, now, &activation)? {
         return Ok(None);
@@ -240,17 +277,25 @@ impl CatalogStore for SqliteStore {
         .await
     }
 
-    async fn remove_components(&self, digests: &[String]) -> Result<u64, StoreError> {
+    async fn remove_components(
+        &self,
+        digests: &[String],
+        seen_seq: i64,
+    ) -> Result<Vec<String>, StoreError> {
         let digests = digests.to_vec();
         self.write_quietly(move |conn, _| {
-            let mut removed = 0;
-            for digest in &digests {
-                removed += cached_execute(
+            let mut removed = Vec::new();
+            for digest in digests {
+                let deleted = cached_execute(
                     conn,
-                    "DELETE FROM components WHERE digest = ?1",
-                    params![digest],
+                    "DELETE FROM components WHERE digest = ?1 AND NOT EXISTS
+                       (SELECT 1 FROM activations WHERE digest = ?1 AND seq > ?2)",
+                    params![digest, seen_seq],
                 )
-                .map_err(backend)? as u64;
+                .map_err(backend)?;
+                if deleted == 1 {
+                    removed.push(digest);
+                }
             }
             Ok(removed)
         })

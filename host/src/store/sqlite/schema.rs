@@ -135,13 +135,13 @@ CREATE TABLE IF NOT EXISTS activations (
 );
 CREATE INDEX IF NOT EXISTS activations_by_role ON activations (agent, role, seq);
 
--- The last version of each role's file that dexa.toml named at a start.
+-- Every version of each role's file that dexa.toml has named at a start.
 CREATE TABLE IF NOT EXISTS config_versions (
     agent   TEXT NOT NULL,
     role    TEXT NOT NULL,
     digest  TEXT NOT NULL,
     at_ms   INTEGER NOT NULL,
-    PRIMARY KEY (agent, role)
+    PRIMARY KEY (agent, role, digest)
 ) WITHOUT ROWID;
 ";
 
