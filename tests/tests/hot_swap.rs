@@ -453,6 +453,17 @@ async fn a_rollback_serves_new_turns_the_old_version_and_upgrade_in_flight_moves
     .json();
     assert_eq!(moved["digest"], json!(v1));
     assert_eq!(moved["upgrade_in_flight"], json!(true));
+    // A plain activation after the fix does not undo it: the held turn
+    // still leaves v2, for the version its session takes now.
+    let (v3, newest) = write_variant(&stack, "scripted-runner", "v3");
+    activate(&stack, "Roll", &["--runner", &v3.to_string_lossy()]);
+    let versions = dexa_cli(&stack, &["agent", "versions", "Roll"], &[]).json();
+    assert!(
+        versions["roles"]["runner"]["moving_off"]
+            .as_array()
+            .is_some_and(|m| m.contains(&json!(new)) && !m.contains(&json!(newest))),
+        "{versions}"
+    );
     tokio::time::sleep(Duration::from_millis(600)).await;
     stack.gate("roll-gate").release();
     wait_for_turns_within(&sessions, "moved", 1, TURN_WAIT).await;
@@ -462,7 +473,11 @@ async fn a_rollback_serves_new_turns_the_old_version_and_upgrade_in_flight_moves
         .filter(|e| e.step_type == step::RUN_MODEL)
         .filter_map(|e| e.component.as_deref())
         .collect();
-    assert_eq!(run_models, vec![new.as_str(), v1.as_str()], "{history:?}");
+    assert_eq!(
+        run_models,
+        vec![new.as_str(), newest.as_str()],
+        "{history:?}"
+    );
     let hops: Vec<Value> = all_events(&sessions, "moved")
         .await
         .into_iter()
@@ -471,7 +486,7 @@ async fn a_rollback_serves_new_turns_the_old_version_and_upgrade_in_flight_moves
         .collect();
     assert_eq!(hops.len(), 1, "{hops:?}");
     assert_eq!(hops[0]["from"], json!(new));
-    assert_eq!(hops[0]["to"], json!(v1));
+    assert_eq!(hops[0]["to"], json!(newest));
     assert!(
         hops[0]["why"]
             .as_str()

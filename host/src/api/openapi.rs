@@ -239,7 +239,8 @@ fn schemas() -> Value {
         "AgentVersions": {"type": "object", "properties": {
             "agent": {"type": "string"},
             "roles": {"type": "object", "additionalProperties": {"type": "object", "properties": {
-                "current": {"type": ["string", "null"]}, "ramp": {"type": ["object", "null"]}, "upgrade_in_flight": {"type": "boolean"}}}},
+                "current": {"type": ["string", "null"]}, "ramp": {"type": ["object", "null"]}, "upgrade_in_flight": {"type": "boolean"},
+                "moving_off": {"type": "array", "items": {"type": "string"}, "description": "Versions an upgrade in flight moves open turns off, at their next RunModel"}}}},
             "log": {"type": "array", "items": {"$ref": "#/components/schemas/Activation"}}}},
         "Activate": {"type": "object", "required": ["role", "digest"], "additionalProperties": false, "properties": {
             "role": {"type": "string", "description": "`runner`, or a tool component's name in dexa.toml"},

@@ -1,6 +1,6 @@
 //! Folding the activation log into what a new turn takes.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use sha2::{Digest, Sha256};
 
@@ -27,6 +27,15 @@ pub struct RoleState {
     pub last: Option<Activation>,
     /// Every version that was current, oldest first, one entry per change.
     pub history: Vec<String>,
+    /// Every version the log named for this role.
+    pub named: BTreeSet<String>,
+    /// The versions an upgrade in flight moved turns off, each with the
+    /// activation that did. A turn pinned to one moves, at its next
+    /// RunModel, to the version its session takes then (if another), even
+    /// after later activations without the flag: a turn waiting days on an
+    /// approval stays rescued. A version activated again leaves the set, so
+    /// turns begun on it later keep it.
+    pub superseded: BTreeMap<String, Activation>,
 }
 
 impl RoleState {
@@ -45,6 +54,18 @@ impl RoleState {
             }
         }
         self.last = Some(activation.clone());
+        self.named.insert(activation.digest.clone());
+        self.superseded.remove(&activation.digest);
+        if activation.upgrade_in_flight {
+            // Every other version. A turn moves only to the version its
+            // session takes now, so beside a ramp the sessions outside it
+            // stay on the current version.
+            for digest in &self.named {
+                if *digest != activation.digest {
+                    self.superseded.insert(digest.clone(), activation.clone());
+                }
+            }
+        }
     }
 
     /// The version a new turn of `session_id` takes.
@@ -166,6 +187,31 @@ mod tests {
         assert_eq!(role.rollback_target(), Some("old"));
         role.apply(&activation(4, "old", ActivationMode::Current));
         assert!(sessions.iter().all(|s| role.choose(s) == Some("old")));
+    }
+
+    #[test]
+    fn an_upgrade_in_flight_keeps_moving_turns_off_what_it_superseded_until_reactivated() {
+        let mut role = RoleState::default();
+        role.apply(&activation(1, "a", ActivationMode::Current));
+        role.apply(&activation(2, "broken", ActivationMode::Current));
+        let mut fix = activation(3, "fix", ActivationMode::Current);
+        fix.upgrade_in_flight = true;
+        role.apply(&fix);
+        let superseded = |role: &RoleState| role.superseded.keys().cloned().collect::<Vec<_>>();
+        assert_eq!(superseded(&role), ["a", "broken"]);
+        // A later plain activation does not undo the rescue.
+        role.apply(&activation(4, "next", ActivationMode::Current));
+        assert_eq!(superseded(&role), ["a", "broken"]);
+        assert_eq!(role.superseded.get("broken").map(|a| a.seq), Some(3));
+        // Activated again: turns begun on it now keep it.
+        role.apply(&activation(5, "broken", ActivationMode::Current));
+        assert_eq!(superseded(&role), ["a"]);
+        // A ramp with the flag supersedes the current version too: only
+        // the sessions the ramp takes have another version to move to.
+        let mut ramp = activation(6, "ramped", ActivationMode::Ramp(10));
+        ramp.upgrade_in_flight = true;
+        role.apply(&ramp);
+        assert_eq!(superseded(&role), ["a", "broken", "fix", "next"]);
     }
 
     #[test]

@@ -358,6 +358,7 @@ pub async fn versions_report(
                     "current": state.current,
                     "ramp": state.ramp.as_ref().map(|(d, p)| json!({"digest": d, "percent": p})),
                     "upgrade_in_flight": state.upgrades_in_flight(),
+                    "moving_off": state.superseded.keys().collect::<Vec<_>>(),
                 }),
             )
         })

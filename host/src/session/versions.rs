@@ -334,7 +334,7 @@ impl CatalogVersions {
     ) -> Result<Option<Hop>, VersionError> {
         let states = self.watch.current().await?;
         let role = self.role(&states, RUNNER_ROLE)?;
-        let Some(last) = role.last.as_ref().filter(|_| role.upgrades_in_flight()) else {
+        let Some(last) = role.superseded.get(pinned) else {
             return Ok(None);
         };
         match role.choose(session_id) {
