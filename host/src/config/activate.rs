@@ -15,7 +15,38 @@ use crate::catalog::{
     ComponentRecord, NewActivation, RoleStates, RUNNER_ROLE,
 };
 use crate::plugin::cache::sha256_hex;
-use crate::plugin::{ComponentSettings, LoadError, SandboxEngine};
+use crate::plugin::{ComponentSettings, LoadError, RunnerComponent, SandboxEngine, ToolComponent};
+
+/// Loads `wasm` as a runner off the runtime's threads (compiling, or
+/// checking a cached artifact, is CPU work of up to seconds, and `dexa
+/// serve` answers other requests meanwhile). Hands the bytes back.
+async fn load_runner_off_thread(
+    engine: &SandboxEngine,
+    wasm: Vec<u8>,
+    settings: ComponentSettings,
+) -> Result<(Result<RunnerComponent, LoadError>, Vec<u8>), ActivationRefused> {
+    let engine = engine.clone();
+    tokio::task::spawn_blocking(move || (engine.load_runner(&wasm, settings), wasm))
+        .await
+        .map_err(|err| refuse(None, format!("verification stopped: {err}")))
+}
+
+/// Loads `wasm` as a tool component (and asks it for its tools) off the
+/// runtime's threads, like [`load_runner_off_thread`].
+async fn load_tool_off_thread(
+    engine: &SandboxEngine,
+    wasm: Vec<u8>,
+    settings: ComponentSettings,
+) -> Result<(Result<ToolComponent, LoadError>, Vec<u8>), ActivationRefused> {
+    let engine = engine.clone();
+    let runtime = tokio::runtime::Handle::current();
+    tokio::task::spawn_blocking(move || {
+        let tool = runtime.block_on(engine.load_tool(&wasm, settings));
+        (tool, wasm)
+    })
+    .await
+    .map_err(|err| refuse(None, format!("verification stopped: {err}")))
+}
 
 /// What an activation names: a file to add, or a version already added.
 #[derive(Clone, Debug)]
@@ -91,19 +122,16 @@ pub async fn verify_and_add(
     let component = role_component(config, agent, role).map_err(|r| refuse(Some(&digest), r))?;
     let settings = super::deploy::settings(config, component)
         .map_err(|err| refuse(Some(&digest), format!("{err:#}")))?;
-    let record = if role == RUNNER_ROLE {
-        let runner = engine
-            .load_runner(&wasm, settings)
-            .map_err(|err| refuse(Some(&digest), err.to_string()))?;
-        runner_record(&runner, wasm.len(), actor)
+    let (record, wasm) = if role == RUNNER_ROLE {
+        let (runner, wasm) = load_runner_off_thread(engine, wasm, settings).await?;
+        let runner = runner.map_err(|err| refuse(Some(&digest), err.to_string()))?;
+        (runner_record(&runner, wasm.len(), actor), wasm)
     } else {
-        let tool = engine
-            .load_tool(&wasm, settings)
-            .await
-            .map_err(|err| refuse(Some(&digest), err.to_string()))?;
+        let (tool, wasm) = load_tool_off_thread(engine, wasm, settings).await?;
+        let tool = tool.map_err(|err| refuse(Some(&digest), err.to_string()))?;
         let record = tool_record(&tool, wasm.len(), actor);
         check_collisions(config, catalog, agent, role, &record).await?;
-        record
+        (record, wasm)
     };
     catalog
         .add_component(record.clone(), wasm)
@@ -276,14 +304,13 @@ pub async fn add_component(
 ) -> Result<(ComponentRecord, bool), ActivationRefused> {
     let digest = sha256_hex(&wasm);
     let settings = ComponentSettings::named(name);
-    let record = match engine.load_runner(&wasm, settings.clone()) {
-        Ok(runner) => runner_record(&runner, wasm.len(), actor),
+    let (runner, wasm) = load_runner_off_thread(engine, wasm, settings.clone()).await?;
+    let (record, wasm) = match runner {
+        Ok(runner) => (runner_record(&runner, wasm.len(), actor), wasm),
         Err(LoadError::WrongWorld { .. }) => {
-            let tool = engine
-                .load_tool(&wasm, settings)
-                .await
-                .map_err(|err| refuse(Some(&digest), err.to_string()))?;
-            tool_record(&tool, wasm.len(), actor)
+            let (tool, wasm) = load_tool_off_thread(engine, wasm, settings).await?;
+            let tool = tool.map_err(|err| refuse(Some(&digest), err.to_string()))?;
+            (tool_record(&tool, wasm.len(), actor), wasm)
         }
         Err(err) => return Err(refuse(Some(&digest), err.to_string())),
     };
