@@ -197,6 +197,13 @@ async fn bad_catalog_requests_get_typed_errors_and_change_nothing() {
             "activation_refused",
         ),
         (
+            // A reason over the 1 KiB the log keeps.
+            "/v1/agents/Helpdesk/activations",
+            json!({"role": "runner", "digest": gates, "reason": "x".repeat(1025)}),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "activation_refused",
+        ),
+        (
             "/v1/agents/Helpdesk/rollback",
             json!({"role": "gates"}),
             StatusCode::CONFLICT,

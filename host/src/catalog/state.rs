@@ -1,6 +1,7 @@
 //! Folding the activation log into what a new turn takes.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 
@@ -29,13 +30,13 @@ pub struct RoleState {
     pub history: Vec<String>,
     /// Every version the log named for this role.
     pub named: BTreeSet<String>,
-    /// The versions an upgrade in flight moved turns off, each with the
-    /// activation that did. A turn pinned to one moves, at its next
-    /// RunModel, to the version its session takes then (if another), even
-    /// after later activations without the flag: a turn waiting days on an
-    /// approval stays rescued. A version activated again leaves the set, so
-    /// turns begun on it later keep it.
-    pub superseded: BTreeMap<String, Activation>,
+    /// The versions an upgrade in flight moved turns off (those no new
+    /// turn took any more after it), each with the activation that did. A
+    /// turn pinned to one moves, at its next RunModel, to the version its
+    /// session takes then, even after later activations without the flag:
+    /// a turn waiting days on an approval stays rescued. A version made
+    /// current again leaves the set, so turns begun on it later keep it.
+    pub superseded: BTreeMap<String, Arc<Activation>>,
 }
 
 impl RoleState {
@@ -55,15 +56,20 @@ impl RoleState {
         }
         self.last = Some(activation.clone());
         self.named.insert(activation.digest.clone());
-        self.superseded.remove(&activation.digest);
+        if activation.mode == ActivationMode::Current {
+            // A ramp of a superseded version leaves the sessions outside it
+            // rescued; a version made current again is not superseded.
+            self.superseded.remove(&activation.digest);
+        }
         if activation.upgrade_in_flight {
-            // Every other version. A turn moves only to the version its
-            // session takes now, so beside a ramp the sessions outside it
-            // stay on the current version.
-            for digest in &self.named {
-                if *digest != activation.digest {
-                    self.superseded.insert(digest.clone(), activation.clone());
-                }
+            // The versions no new turn takes any more. One still active
+            // (the current one beside a ramp) keeps the turns begun on it
+            // later; while this activation is the last, the sessions the
+            // ramp takes move off it too (see `moves_turns_off`).
+            let by = Arc::new(activation.clone());
+            let active: BTreeSet<String> = self.active().into_iter().map(str::to_string).collect();
+            for digest in self.named.difference(&active) {
+                self.superseded.insert(digest.clone(), by.clone());
             }
         }
     }
@@ -92,6 +98,19 @@ impl RoleState {
     /// Whether the latest activation moves turns pinned elsewhere.
     pub fn upgrades_in_flight(&self) -> bool {
         self.last.as_ref().is_some_and(|a| a.upgrade_in_flight)
+    }
+
+    /// The activation that moves a turn of `session_id` pinned to `pinned`
+    /// off it, and the version it moves to: when its session takes another
+    /// version now, and either `pinned` is superseded or the latest
+    /// activation upgrades turns in flight.
+    pub fn moves_turns_off(&self, session_id: &str, pinned: &str) -> Option<(&Activation, &str)> {
+        let target = self.choose(session_id).filter(|t| *t != pinned)?;
+        let by = match self.superseded.get(pinned) {
+            Some(by) => by.as_ref(),
+            None => self.last.as_ref().filter(|a| a.upgrade_in_flight)?,
+        };
+        Some((by, target))
     }
 
     /// What a rollback activates: the current version while a ramp stands
@@ -190,7 +209,7 @@ mod tests {
     }
 
     #[test]
-    fn an_upgrade_in_flight_keeps_moving_turns_off_what_it_superseded_until_reactivated() {
+    fn an_upgrade_in_flight_keeps_moving_turns_off_what_it_superseded_until_made_current() {
         let mut role = RoleState::default();
         role.apply(&activation(1, "a", ActivationMode::Current));
         role.apply(&activation(2, "broken", ActivationMode::Current));
@@ -202,16 +221,49 @@ mod tests {
         // A later plain activation does not undo the rescue.
         role.apply(&activation(4, "next", ActivationMode::Current));
         assert_eq!(superseded(&role), ["a", "broken"]);
-        assert_eq!(role.superseded.get("broken").map(|a| a.seq), Some(3));
-        // Activated again: turns begun on it now keep it.
-        role.apply(&activation(5, "broken", ActivationMode::Current));
+        let (by, to) = role.moves_turns_off("s", "broken").unwrap();
+        assert_eq!((by.seq, to), (3, "next"));
+        assert!(role.moves_turns_off("s", "fix").is_none(), "not superseded");
+        // A ramp of it leaves the sessions outside the ramp rescued.
+        role.apply(&activation(5, "broken", ActivationMode::Ramp(5)));
+        assert_eq!(superseded(&role), ["a", "broken"]);
+        // Made current again: turns begun on it now keep it.
+        role.apply(&activation(6, "broken", ActivationMode::Current));
         assert_eq!(superseded(&role), ["a"]);
-        // A ramp with the flag supersedes the current version too: only
-        // the sessions the ramp takes have another version to move to.
-        let mut ramp = activation(6, "ramped", ActivationMode::Ramp(10));
+        assert!(role.moves_turns_off("s", "broken").is_none());
+    }
+
+    #[test]
+    fn a_flagged_ramp_moves_its_share_now_and_leaves_the_current_version_to_later_turns() {
+        let mut role = RoleState::default();
+        role.apply(&activation(1, "old", ActivationMode::Current));
+        role.apply(&activation(2, "cur", ActivationMode::Current));
+        let mut ramp = activation(3, "ramped", ActivationMode::Ramp(50));
         ramp.upgrade_in_flight = true;
         role.apply(&ramp);
-        assert_eq!(superseded(&role), ["a", "broken", "fix", "next"]);
+        // The current version still serves the sessions outside the ramp.
+        assert_eq!(role.superseded.keys().collect::<Vec<_>>(), ["old"]);
+        let sessions: Vec<String> = (0..100).map(|n| format!("s{n}")).collect();
+        let inside = sessions
+            .iter()
+            .find(|s| role.choose(s) == Some("ramped"))
+            .unwrap();
+        let outside = sessions
+            .iter()
+            .find(|s| role.choose(s) == Some("cur"))
+            .unwrap();
+        assert_eq!(
+            role.moves_turns_off(inside, "cur").map(|(_, to)| to),
+            Some("ramped")
+        );
+        assert!(role.moves_turns_off(outside, "cur").is_none());
+        // Promoting the ramp without the flag leaves turns begun on `cur`.
+        role.apply(&activation(4, "ramped", ActivationMode::Current));
+        assert!(role.moves_turns_off(outside, "cur").is_none());
+        assert_eq!(
+            role.moves_turns_off(outside, "old").map(|(_, to)| to),
+            Some("ramped")
+        );
     }
 
     #[test]

@@ -5,6 +5,9 @@
 //! digest and the reason, and the log does not change.
 
 use std::path::Path;
+use std::sync::{Arc, OnceLock};
+
+use tokio::sync::Semaphore;
 
 use serde_json::{json, Value};
 
@@ -17,35 +20,69 @@ use crate::catalog::{
 use crate::plugin::cache::sha256_hex;
 use crate::plugin::{ComponentSettings, LoadError, RunnerComponent, SandboxEngine, ToolComponent};
 
+/// How many verifications run at once in one process. A verification runs
+/// to its end even when the request that asked for it goes away, so this
+/// bounds what a client that uploads and hangs up can make a server do.
+const CONCURRENT_VERIFICATIONS: usize = 2;
+
+/// The longest reason an activation records (it is kept in the log and
+/// shown by every versions report).
+pub const MAX_REASON_BYTES: usize = 1024;
+
+fn verifications() -> Arc<Semaphore> {
+    static PERMITS: OnceLock<Arc<Semaphore>> = OnceLock::new();
+    PERMITS
+        .get_or_init(|| Arc::new(Semaphore::new(CONCURRENT_VERIFICATIONS)))
+        .clone()
+}
+
+fn verification_stopped(digest: &str, err: tokio::task::JoinError) -> ActivationRefused {
+    refuse(Some(digest), format!("verification stopped: {err}"))
+}
+
 /// Loads `wasm` as a runner off the runtime's threads (compiling, or
 /// checking a cached artifact, is CPU work of up to seconds, and `dexa
 /// serve` answers other requests meanwhile). Hands the bytes back.
 async fn load_runner_off_thread(
     engine: &SandboxEngine,
+    digest: &str,
     wasm: Vec<u8>,
     settings: ComponentSettings,
 ) -> Result<(Result<RunnerComponent, LoadError>, Vec<u8>), ActivationRefused> {
-    let engine = engine.clone();
-    tokio::task::spawn_blocking(move || (engine.load_runner(&wasm, settings), wasm))
+    let permit = verifications()
+        .acquire_owned()
         .await
-        .map_err(|err| refuse(None, format!("verification stopped: {err}")))
+        .map_err(|err| refuse(Some(digest), format!("verification stopped: {err}")))?;
+    let engine = engine.clone();
+    tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        (engine.load_runner(&wasm, settings), wasm)
+    })
+    .await
+    .map_err(|err| verification_stopped(digest, err))
 }
 
 /// Loads `wasm` as a tool component (and asks it for its tools) off the
 /// runtime's threads, like [`load_runner_off_thread`].
 async fn load_tool_off_thread(
     engine: &SandboxEngine,
+    digest: &str,
     wasm: Vec<u8>,
     settings: ComponentSettings,
 ) -> Result<(Result<ToolComponent, LoadError>, Vec<u8>), ActivationRefused> {
+    let permit = verifications()
+        .acquire_owned()
+        .await
+        .map_err(|err| refuse(Some(digest), format!("verification stopped: {err}")))?;
     let engine = engine.clone();
     let runtime = tokio::runtime::Handle::current();
     tokio::task::spawn_blocking(move || {
+        let _permit = permit;
         let tool = runtime.block_on(engine.load_tool(&wasm, settings));
         (tool, wasm)
     })
     .await
-    .map_err(|err| refuse(None, format!("verification stopped: {err}")))
+    .map_err(|err| verification_stopped(digest, err))
 }
 
 /// What an activation names: a file to add, or a version already added.
@@ -123,11 +160,11 @@ pub async fn verify_and_add(
     let settings = super::deploy::settings(config, component)
         .map_err(|err| refuse(Some(&digest), format!("{err:#}")))?;
     let (record, wasm) = if role == RUNNER_ROLE {
-        let (runner, wasm) = load_runner_off_thread(engine, wasm, settings).await?;
+        let (runner, wasm) = load_runner_off_thread(engine, &digest, wasm, settings).await?;
         let runner = runner.map_err(|err| refuse(Some(&digest), err.to_string()))?;
         (runner_record(&runner, wasm.len(), actor), wasm)
     } else {
-        let (tool, wasm) = load_tool_off_thread(engine, wasm, settings).await?;
+        let (tool, wasm) = load_tool_off_thread(engine, &digest, wasm, settings).await?;
         let tool = tool.map_err(|err| refuse(Some(&digest), err.to_string()))?;
         let record = tool_record(&tool, wasm.len(), actor);
         check_collisions(config, catalog, agent, role, &record).await?;
@@ -206,6 +243,15 @@ pub async fn activate(
     catalog: &dyn CatalogStore,
     request: ActivationRequest,
 ) -> Result<Activation, ActivationRefused> {
+    if request.reason.len() > MAX_REASON_BYTES {
+        return Err(refuse(
+            None,
+            format!(
+                "the reason is {} bytes; at most {MAX_REASON_BYTES} are kept",
+                request.reason.len()
+            ),
+        ));
+    }
     let wasm = match &request.source {
         VersionSource::File(path) => read_file(path)?,
         VersionSource::Digest(digest) => match catalog.component_bytes(digest).await {
@@ -304,11 +350,11 @@ pub async fn add_component(
 ) -> Result<(ComponentRecord, bool), ActivationRefused> {
     let digest = sha256_hex(&wasm);
     let settings = ComponentSettings::named(name);
-    let (runner, wasm) = load_runner_off_thread(engine, wasm, settings.clone()).await?;
+    let (runner, wasm) = load_runner_off_thread(engine, &digest, wasm, settings.clone()).await?;
     let (record, wasm) = match runner {
         Ok(runner) => (runner_record(&runner, wasm.len(), actor), wasm),
         Err(LoadError::WrongWorld { .. }) => {
-            let (tool, wasm) = load_tool_off_thread(engine, wasm, settings).await?;
+            let (tool, wasm) = load_tool_off_thread(engine, &digest, wasm, settings).await?;
             let tool = tool.map_err(|err| refuse(Some(&digest), err.to_string()))?;
             (tool_record(&tool, wasm.len(), actor), wasm)
         }

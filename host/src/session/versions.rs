@@ -334,26 +334,23 @@ impl CatalogVersions {
     ) -> Result<Option<Hop>, VersionError> {
         let states = self.watch.current().await?;
         let role = self.role(&states, RUNNER_ROLE)?;
-        let Some(last) = role.superseded.get(pinned) else {
+        let Some((by, target)) = role.moves_turns_off(session_id, pinned) else {
             return Ok(None);
         };
-        match role.choose(session_id) {
-            Some(target) if target != pinned => Ok(Some(Hop {
-                to: target.to_string(),
-                why: format!(
-                    "activation {} of {} by {} moves turns in flight{}",
-                    last.seq,
-                    short_digest(&last.digest),
-                    last.actor,
-                    if last.reason.is_empty() {
-                        String::new()
-                    } else {
-                        format!(": {}", last.reason)
-                    }
-                ),
-            })),
-            _ => Ok(None),
-        }
+        Ok(Some(Hop {
+            to: target.to_string(),
+            why: format!(
+                "activation {} of {} by {} moves turns in flight{}",
+                by.seq,
+                short_digest(&by.digest),
+                by.actor,
+                if by.reason.is_empty() {
+                    String::new()
+                } else {
+                    format!(": {}", by.reason)
+                }
+            ),
+        }))
     }
 
     pub(crate) async fn tool_set(&self, session_id: &str) -> Result<Arc<ToolSet>, VersionError> {
