@@ -20,7 +20,7 @@ use crate::session::{AgentState, AgentToolCall, AGENT_STATE, AGENT_TOOL_CALLS};
 /// may take before it commits its pin. That Step is `build-user-message` or,
 /// for a turn with no note, its first RunModel, whose model call an agent may
 /// allow up to `model_step_timeout` (10 min by default) and which is retried.
-/// An operator with longer timeouts passes a longer `--grace`.
+/// An operator with longer timeouts passes a longer `--grace-secs`.
 pub const DEFAULT_GRACE: Duration = Duration::from_secs(60 * 60);
 
 /// What a gc did.
