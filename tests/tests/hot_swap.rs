@@ -80,6 +80,32 @@ fn activate(stack: &AgentTestStack, agent: &str, args: &[&str]) -> Value {
     dexa_cli(stack, &all, &[]).json()
 }
 
+/// Starts `dexa ARGS` with the activation test hook and waits until it has
+/// added its version and paused before the log entry; the pause ends when
+/// the returned path is written.
+async fn paused_cli(
+    stack: &AgentTestStack,
+    args: &[&str],
+    name: &str,
+) -> (std::process::Child, std::path::PathBuf) {
+    let pause = stack.dir.path().join(name);
+    let child = std::process::Command::new(dexa_tests::kit::dexa_binary())
+        .args(args)
+        .env("DEXA_CONFIG", &stack.config_path)
+        .env("DEXA_TEST_ACTIVATION_PAUSE", &pause)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let reached = pause.with_extension("reached");
+    wait_until("the activation's pause", Duration::from_secs(60), || {
+        let reached = reached.clone();
+        async move { reached.exists().then_some(()) }
+    })
+    .await;
+    (child, pause)
+}
+
 /// How many entries the activation log of `agent` has.
 async fn log_len(stack: &AgentTestStack, agent: &str) -> usize {
     stack
@@ -293,21 +319,17 @@ async fn an_activation_killed_before_its_log_entry_is_absent_and_no_step_runs_an
     wait_for_turns_within(&sessions, "s1", 1, TURN_WAIT).await;
     let before = log_len(&stack, "Kill").await;
     let (v2, new) = write_variant(&stack, "scripted-runner", "v2");
-    let pause = stack.dir.path().join("activation-pause");
-    let mut child = std::process::Command::new(dexa_tests::kit::dexa_binary())
-        .args(["agent", "activate", "Kill", "--runner"])
-        .arg(&v2)
-        .env("DEXA_CONFIG", &stack.config_path)
-        .env("DEXA_TEST_ACTIVATION_PAUSE", &pause)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let reached = pause.with_extension("reached");
-    dexa_tests::kit::wait_until("the activation's pause", Duration::from_secs(60), || {
-        let reached = reached.clone();
-        async move { reached.exists().then_some(()) }
-    })
+    let (mut child, _) = paused_cli(
+        &stack,
+        &[
+            "agent",
+            "activate",
+            "Kill",
+            "--runner",
+            &v2.to_string_lossy(),
+        ],
+        "activation-pause",
+    )
     .await;
     child.kill().unwrap();
     child.wait().unwrap();
@@ -351,21 +373,8 @@ async fn an_activation_killed_before_its_log_entry_is_absent_and_no_step_runs_an
     // another activation lands: refused, rather than undo the version it
     // never saw.
     let (v3, newest) = write_variant(&stack, "scripted-runner", "v3");
-    let pause = stack.dir.path().join("rollback-pause");
-    let rollback = std::process::Command::new(dexa_tests::kit::dexa_binary())
-        .args(["agent", "rollback", "Kill"])
-        .env("DEXA_CONFIG", &stack.config_path)
-        .env("DEXA_TEST_ACTIVATION_PAUSE", &pause)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let reached = pause.with_extension("reached");
-    dexa_tests::kit::wait_until("the rollback's pause", Duration::from_secs(60), || {
-        let reached = reached.clone();
-        async move { reached.exists().then_some(()) }
-    })
-    .await;
+    let (rollback, pause) =
+        paused_cli(&stack, &["agent", "rollback", "Kill"], "rollback-pause").await;
     activate(&stack, "Kill", &["--runner", &v3.to_string_lossy()]);
     let before = log_len(&stack, "Kill").await;
     std::fs::write(&pause, b"").unwrap();

@@ -36,53 +36,53 @@ fn verifications() -> Arc<Semaphore> {
         .clone()
 }
 
-fn verification_stopped(digest: &str, err: tokio::task::JoinError) -> ActivationRefused {
-    refuse(Some(digest), format!("verification stopped: {err}"))
+/// Runs `load` on a blocking thread once a verification permit is free
+/// (compiling, or checking a cached artifact, is CPU work of up to seconds,
+/// and `dexa serve` answers other requests meanwhile).
+async fn verify_off_thread<T: Send + 'static>(
+    digest: &str,
+    load: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, ActivationRefused> {
+    let stopped =
+        |err: &dyn std::fmt::Display| refuse(Some(digest), format!("verification stopped: {err}"));
+    let permit = verifications()
+        .acquire_owned()
+        .await
+        .map_err(|err| stopped(&err))?;
+    tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        load()
+    })
+    .await
+    .map_err(|err| stopped(&err))
 }
 
-/// Loads `wasm` as a runner off the runtime's threads (compiling, or
-/// checking a cached artifact, is CPU work of up to seconds, and `dexa
-/// serve` answers other requests meanwhile). Hands the bytes back.
+/// Loads `wasm` as a runner off the runtime's threads; hands the bytes back.
 async fn load_runner_off_thread(
     engine: &SandboxEngine,
     digest: &str,
     wasm: Vec<u8>,
     settings: ComponentSettings,
 ) -> Result<(Result<RunnerComponent, LoadError>, Vec<u8>), ActivationRefused> {
-    let permit = verifications()
-        .acquire_owned()
-        .await
-        .map_err(|err| refuse(Some(digest), format!("verification stopped: {err}")))?;
     let engine = engine.clone();
-    tokio::task::spawn_blocking(move || {
-        let _permit = permit;
-        (engine.load_runner(&wasm, settings), wasm)
-    })
-    .await
-    .map_err(|err| verification_stopped(digest, err))
+    verify_off_thread(digest, move || (engine.load_runner(&wasm, settings), wasm)).await
 }
 
 /// Loads `wasm` as a tool component (and asks it for its tools) off the
-/// runtime's threads, like [`load_runner_off_thread`].
+/// runtime's threads; hands the bytes back.
 async fn load_tool_off_thread(
     engine: &SandboxEngine,
     digest: &str,
     wasm: Vec<u8>,
     settings: ComponentSettings,
 ) -> Result<(Result<ToolComponent, LoadError>, Vec<u8>), ActivationRefused> {
-    let permit = verifications()
-        .acquire_owned()
-        .await
-        .map_err(|err| refuse(Some(digest), format!("verification stopped: {err}")))?;
     let engine = engine.clone();
     let runtime = tokio::runtime::Handle::current();
-    tokio::task::spawn_blocking(move || {
-        let _permit = permit;
+    verify_off_thread(digest, move || {
         let tool = runtime.block_on(engine.load_tool(&wasm, settings));
         (tool, wasm)
     })
     .await
-    .map_err(|err| verification_stopped(digest, err))
 }
 
 /// What an activation names: a file to add, or a version already added.
