@@ -2,4 +2,5 @@
 //! [`crate::flow::FlowStore`] and passes the same conformance suite
 //! (`tests/tests/flow_conformance.rs`).
 
+pub(crate) mod rows;
 pub mod sqlite;

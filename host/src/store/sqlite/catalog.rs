@@ -4,15 +4,14 @@
 use async_trait::async_trait;
 use rusqlite::{params, Connection, OptionalExtension};
 
-use super::{backend, cached_execute, cached_query_row, SqliteStore};
+use super::sql::{backend, cached_execute, cached_query_row};
+use super::SqliteStore;
 use crate::catalog::{
     ActivateIf, Activation, ActivationMode, CatalogError, CatalogStore, ComponentRecord,
     NewActivation,
 };
 use crate::flow::{StoreError, StoreMillis};
-
-const ACTIVATION_COLUMNS: &str =
-    "seq, agent, role, digest, mode, percent, upgrade_in_flight, actor, reason, at_ms";
+use crate::store::rows::{to_activation, to_record, ACTIVATION_COLUMNS};
 
 fn activation_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<(Activation, String, Option<u8>)> {
     Ok((
@@ -32,39 +31,18 @@ fn activation_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<(Activation, Stri
     ))
 }
 
-fn to_activation(
-    (mut activation, mode, percent): (Activation, String, Option<u8>),
-) -> Result<Activation, StoreError> {
-    activation.mode = match (mode.as_str(), percent) {
-        ("current", _) => ActivationMode::Current,
-        ("ramp", Some(percent)) => ActivationMode::Ramp(percent),
-        _ => {
-            return Err(StoreError::Corrupt(format!(
-                "activation {} has mode {mode:?} ({percent:?} %)",
-                activation.seq
-            )))
-        }
-    };
-    Ok(activation)
-}
-
 fn query_activations(
     conn: &Connection,
     sql: &str,
     params: impl rusqlite::Params,
 ) -> Result<Vec<Activation>, StoreError> {
-    let mut stmt = conn.prepare_cached(sql).map_err(backend)?;
+    let mut stmt = conn.prepare_cached(sql)?;
     let rows = stmt
-        .query_map(params, activation_row)
-        .map_err(backend)?
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(backend)?;
-    rows.into_iter().map(to_activation).collect()
-}
-
-fn to_record(digest: &str, text: String) -> Result<ComponentRecord, StoreError> {
-    serde_json::from_str(&text)
-        .map_err(|err| StoreError::Corrupt(format!("the record of component {digest}: {err}")))
+        .query_map(params, activation_row)?
+        .collect::<Result<Vec<_>, _>>()?;
+    rows.into_iter()
+        .map(|(activation, mode, percent)| to_activation(activation, mode, percent))
+        .collect()
 }
 
 /// Records the version `dexa.toml` names for the role now, and says whether
@@ -83,8 +61,7 @@ fn config_changed(
         "INSERT INTO config_versions (agent, role, digest, at_ms) VALUES (?1, ?2, ?3, ?4)
          ON CONFLICT (agent, role, digest) DO NOTHING",
         params![activation.agent, activation.role, activation.digest, now],
-    )
-    .map_err(backend)?;
+    )?;
     if named == 0 {
         return Ok(false);
     }
@@ -94,8 +71,7 @@ fn config_changed(
         params![activation.agent, activation.role, activation.digest],
         |_| Ok(()),
     )
-    .optional()
-    .map_err(backend)?;
+    .optional()?;
     if others.is_some() {
         return Ok(true);
     }
@@ -105,8 +81,7 @@ fn config_changed(
         params![activation.agent, activation.role],
         |_| Ok(()),
     )
-    .optional()
-    .map_err(backend)?;
+    .optional()?;
     Ok(activated.is_none())
 }
 
@@ -118,13 +93,14 @@ fn named_before(conn: &Connection, activation: &NewActivation) -> Result<bool, S
         params![activation.agent, activation.role, activation.digest],
         |_| Ok(()),
     )
-    .optional()
-    .map_err(backend)?;
+    .optional()?;
     Ok(named.is_some())
 }
 
 /// Appends `activation` unless `only_if` holds it back; the caller's
-/// transaction makes the check and the append one step.
+/// transaction makes the check and the append one step. (Its error type is
+/// [`CatalogError`], which takes a [`StoreError`] but not a rusqlite error:
+/// hence `map_err(backend)` on its queries.)
 fn append(
     conn: &Connection,
     now: StoreMillis,
@@ -219,8 +195,7 @@ impl CatalogStore for SqliteStore {
                 "INSERT INTO components (digest, record, bytes) VALUES (?1, ?2, ?3)
                  ON CONFLICT (digest) DO NOTHING",
                 params![record.digest, text, bytes],
-            )
-            .map_err(backend)?;
+            )?;
             Ok(added == 1)
         })
         .await
@@ -235,8 +210,7 @@ impl CatalogStore for SqliteStore {
                 params![digest],
                 |row| row.get(0),
             )
-            .optional()
-            .map_err(backend)?;
+            .optional()?;
             text.map(|text| to_record(&digest, text)).transpose()
         })
         .await
@@ -245,28 +219,23 @@ impl CatalogStore for SqliteStore {
     async fn component_bytes(&self, digest: &str) -> Result<Option<Vec<u8>>, StoreError> {
         let digest = digest.to_string();
         self.read_blocking(move |conn, _| {
-            cached_query_row(
+            Ok(cached_query_row(
                 conn,
                 "SELECT bytes FROM components WHERE digest = ?1",
                 params![digest],
                 |row| row.get(0),
             )
-            .optional()
-            .map_err(backend)
+            .optional()?)
         })
         .await
     }
 
     async fn list_components(&self) -> Result<Vec<ComponentRecord>, StoreError> {
         self.read_blocking(|conn, _| {
-            let mut stmt = conn
-                .prepare_cached("SELECT digest, record FROM components")
-                .map_err(backend)?;
+            let mut stmt = conn.prepare_cached("SELECT digest, record FROM components")?;
             let rows = stmt
-                .query_map([], |row| Ok((row.get::<_, String>(0)?, row.get(1)?)))
-                .map_err(backend)?
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(backend)?;
+                .query_map([], |row| Ok((row.get::<_, String>(0)?, row.get(1)?)))?
+                .collect::<Result<Vec<_>, _>>()?;
             let mut records = rows
                 .into_iter()
                 .map(|(digest, text)| to_record(&digest, text))
@@ -291,8 +260,7 @@ impl CatalogStore for SqliteStore {
                     "DELETE FROM components WHERE digest = ?1 AND NOT EXISTS
                        (SELECT 1 FROM activations WHERE digest = ?1 AND seq > ?2)",
                     params![digest, seen_seq],
-                )
-                .map_err(backend)?;
+                )?;
                 if deleted == 1 {
                     removed.push(digest);
                 }

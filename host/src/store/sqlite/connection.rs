@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use rusqlite::Connection;
 
-use super::{backend, schema};
+use super::schema;
 use crate::flow::store::StoreError;
 
 /// How hard SQLite syncs a commit to disk.
@@ -57,15 +57,13 @@ pub(super) fn open_reader(path: &Path, options: &SqliteOptions) -> Result<Connec
 fn connect(path: &Path, options: &SqliteOptions) -> Result<Connection, StoreError> {
     let conn = Connection::open(path)
         .map_err(|err| StoreError::Backend(format!("cannot open {}: {err}", path.display())))?;
-    conn.busy_timeout(BUSY_TIMEOUT).map_err(backend)?;
-    conn.pragma_update(None, "journal_mode", "WAL")
-        .map_err(backend)?;
+    conn.busy_timeout(BUSY_TIMEOUT)?;
+    conn.pragma_update(None, "journal_mode", "WAL")?;
     let sync = match options.synchronous {
         Synchronous::Normal => "NORMAL",
         Synchronous::Full => "FULL",
     };
-    conn.pragma_update(None, "synchronous", sync)
-        .map_err(backend)?;
+    conn.pragma_update(None, "synchronous", sync)?;
     conn.set_prepared_statement_cache_capacity(256);
     Ok(conn)
 }

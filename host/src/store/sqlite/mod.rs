@@ -18,13 +18,19 @@
 
 mod catalog;
 mod connection;
+mod flows;
+mod history;
+mod rpc;
 mod schema;
+mod sql;
 mod state;
 mod streams;
+mod tasks;
 mod writer;
 
 use connection::{open_reader, open_writer};
 pub use connection::{SqliteOptions, Synchronous};
+use sql::{backend, now_millis};
 use writer::{run_writer, spawn_checkpointer, JobDone, WriteJob};
 
 use std::any::Any;
@@ -33,19 +39,17 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use rusqlite::{params, Connection, OptionalExtension};
+use rusqlite::Connection;
 use tokio::sync::{oneshot, Notify};
 
 use crate::flow::store::{
-    AttemptFailure, ExpiredLease, FailureAction, FlowStore, RpcBody, RpcError, StateAnswer,
-    StateQuery, StepCommit, StoreError,
+    AttemptFailure, ExpiredLease, FlowStore, RpcBody, RpcError, StateAnswer, StateQuery,
+    StepCommit, StoreError,
 };
 use crate::flow::types::{
-    ClaimedTask, FlowInfo, FlowStatus, Json, MapQuery, NewTask, StepHistoryEntry, StoreMillis,
-    StreamPage, Versioned,
+    ClaimedTask, FlowInfo, Json, MapQuery, NewTask, StepHistoryEntry, StoreMillis, StreamPage,
+    Versioned,
 };
-
-use state::SqliteStateTx;
 
 /// The default capacity of a stream, in bytes.
 pub const DEFAULT_STREAM_CAPACITY: u64 = 10 << 20;
@@ -86,36 +90,6 @@ struct Inner {
     signal: Arc<Notify>,
 }
 
-pub(crate) fn backend(err: impl std::fmt::Display) -> StoreError {
-    StoreError::Backend(err.to_string())
-}
-
-pub(crate) fn now_millis() -> StoreMillis {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
-}
-
-/// `execute` through the connection's statement cache.
-pub(crate) fn cached_execute(
-    conn: &Connection,
-    sql: &str,
-    params: impl rusqlite::Params,
-) -> rusqlite::Result<usize> {
-    conn.prepare_cached(sql)?.execute(params)
-}
-
-/// `query_row` through the connection's statement cache.
-pub(crate) fn cached_query_row<T>(
-    conn: &Connection,
-    sql: &str,
-    params: impl rusqlite::Params,
-    f: impl FnOnce(&rusqlite::Row<'_>) -> rusqlite::Result<T>,
-) -> rusqlite::Result<T> {
-    conn.prepare_cached(sql)?.query_row(params, f)
-}
-
 impl SqliteStore {
     /// Opens (creating if needed) the store at `path`. Any number of
     /// processes may open one store at once; creating its schema waits its
@@ -129,9 +103,7 @@ impl SqliteStore {
         }
         let writer = open_writer(&path, &options)?;
         // Checkpoints (which fsync) run on their own thread, not after commits.
-        writer
-            .pragma_update(None, "wal_autocheckpoint", 0)
-            .map_err(backend)?;
+        writer.pragma_update(None, "wal_autocheckpoint", 0)?;
         let checkpoints = spawn_checkpointer(open_reader(&path, &options)?)?;
         let signal = Arc::new(Notify::new());
         let (jobs, queue) = mpsc::channel();
@@ -273,47 +245,6 @@ impl SqliteStore {
     }
 }
 
-fn in_list(count: usize) -> String {
-    vec!["?"; count].join(",")
-}
-
-fn flow_row(
-    row: &rusqlite::Row<'_>,
-) -> rusqlite::Result<(String, String, String, i64, i64, Option<String>)> {
-    Ok((
-        row.get(0)?,
-        row.get(1)?,
-        row.get(2)?,
-        row.get(3)?,
-        row.get(4)?,
-        row.get(5)?,
-    ))
-}
-
-fn to_flow_info(
-    (flow_id, flow_type, status, created_at, updated_at, error): (
-        String,
-        String,
-        String,
-        i64,
-        i64,
-        Option<String>,
-    ),
-) -> Result<FlowInfo, StoreError> {
-    let status = FlowStatus::parse(&status)
-        .ok_or_else(|| StoreError::Corrupt(format!("flow {flow_id} has status {status:?}")))?;
-    Ok(FlowInfo {
-        flow_id,
-        flow_type,
-        status,
-        created_at,
-        updated_at,
-        error,
-    })
-}
-
-const FLOW_COLUMNS: &str = "flow_id, flow_type, status, created_at_ms, updated_at_ms, error";
-
 #[async_trait]
 impl FlowStore for SqliteStore {
     async fn now(&self) -> Result<StoreMillis, StoreError> {
@@ -331,26 +262,13 @@ impl FlowStore for SqliteStore {
         first: NewTask,
     ) -> Result<(), StoreError> {
         let (flow_id, flow_type) = (flow_id.to_string(), flow_type.to_string());
-        self.write(move |tx, now| {
-            let inserted = cached_execute(
-                tx,
-                "INSERT INTO flows (flow_id, flow_type, status, created_at_ms, updated_at_ms)
-                     VALUES (?1, ?2, 'running', ?3, ?3) ON CONFLICT (flow_id) DO NOTHING",
-                params![flow_id, flow_type, now],
-            )
-            .map_err(backend)?;
-            if inserted == 0 {
-                return Err(StoreError::FlowExists { flow_id });
-            }
-            state::insert_task(tx, &flow_id, &flow_type, &first)?;
-            Ok(())
-        })
-        .await
+        self.write(move |tx, now| flows::create_flow(tx, now, flow_id, &flow_type, &first))
+            .await
     }
 
     async fn flow(&self, flow_id: &str) -> Result<Option<FlowInfo>, StoreError> {
         let flow_id = flow_id.to_string();
-        self.read(move |conn, _| state::flow_info(conn, &flow_id))
+        self.read(move |conn, _| flows::flow_info(conn, &flow_id))
             .await
     }
 
@@ -360,39 +278,14 @@ impl FlowStore for SqliteStore {
         limit: usize,
     ) -> Result<Vec<FlowInfo>, StoreError> {
         let flow_type = flow_type.map(str::to_string);
-        self.read(move |conn, _| {
-            let mut stmt = conn
-                .prepare(&format!(
-                    "SELECT {FLOW_COLUMNS} FROM flows WHERE (?1 IS NULL OR flow_type = ?1)
-                     ORDER BY created_at_ms DESC, flow_id LIMIT ?2"
-                ))
-                .map_err(backend)?;
-            let rows = stmt
-                .query_map(params![flow_type, limit as i64], flow_row)
-                .map_err(backend)?
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(backend)?;
-            rows.into_iter().map(to_flow_info).collect()
-        })
-        .await
+        self.read(move |conn, _| flows::list_flows(conn, flow_type.as_deref(), limit))
+            .await
     }
 
     async fn stop_flow(&self, flow_id: &str) -> Result<bool, StoreError> {
         let flow_id = flow_id.to_string();
-        self.write(move |tx, now| {
-            let stopped = cached_execute(
-                tx,
-                "UPDATE flows SET status = 'stopped', updated_at_ms = ?2
-                     WHERE flow_id = ?1 AND status = 'running'",
-                params![flow_id, now],
-            )
-            .map_err(backend)?;
-            if stopped > 0 {
-                state::drop_tasks(tx, &flow_id)?;
-            }
-            Ok(stopped > 0)
-        })
-        .await
+        self.write(move |tx, now| flows::stop_flow(tx, now, &flow_id))
+            .await
     }
 
     async fn claim(
@@ -409,7 +302,7 @@ impl FlowStore for SqliteStore {
         // A task made ready after this read wakes the worker again.
         let probe = flow_types.to_vec();
         if !self
-            .read(move |conn, now| state::any_claimable(conn, now, &probe))
+            .read(move |conn, now| tasks::any_claimable(conn, now, &probe))
             .await?
         {
             return Ok(Vec::new());
@@ -417,11 +310,11 @@ impl FlowStore for SqliteStore {
         let worker_id = worker_id.to_string();
         let flow_types = flow_types.to_vec();
         self.write_quietly(move |tx, now| {
-            state::claim(
+            tasks::claim(
                 tx,
                 now,
                 &worker_id,
-                state::ClaimScope::FlowTypes(&flow_types),
+                tasks::ClaimScope::FlowTypes(&flow_types),
                 max,
                 lease_ms,
             )
@@ -437,28 +330,12 @@ impl FlowStore for SqliteStore {
     ) -> Result<Vec<(i64, i64)>, StoreError> {
         let worker_id = worker_id.to_string();
         let held = held.to_vec();
-        self.write_quietly(move |tx, now| {
-            let mut lost = Vec::new();
-            let mut stmt = tx
-                .prepare_cached(
-                    "UPDATE tasks SET lease_expires_ms = ?1
-                     WHERE task_id = ?2 AND lease_token = ?3 AND state = 'leased' AND lease_owner = ?4",
-                )
-                .map_err(backend)?;
-            for (task_id, token) in held {
-                let renewed = stmt.execute(params![now + lease_ms, task_id, token, worker_id])
-                    .map_err(backend)?;
-                if renewed == 0 {
-                    lost.push((task_id, token));
-                }
-            }
-            Ok(lost)
-        })
-        .await
+        self.write_quietly(move |tx, now| tasks::renew_leases(tx, now, &worker_id, held, lease_ms))
+            .await
     }
 
     async fn record_output(&self, task_id: i64, lease_token: i64) -> Result<(), StoreError> {
-        self.write_quietly(move |tx, now| state::record_output(tx, now, task_id, lease_token))
+        self.write_quietly(move |tx, now| tasks::record_output(tx, now, task_id, lease_token))
             .await
     }
 
@@ -466,13 +343,13 @@ impl FlowStore for SqliteStore {
         self.write(move |tx, now| {
             let claim_next = commit.claim_next.clone();
             let flow_id = commit.flow_id.clone();
-            state::commit_step(tx, now, commit)?;
+            tasks::commit_step(tx, now, commit)?;
             match claim_next {
-                Some(next) if next.max > 0 => state::claim(
+                Some(next) if next.max > 0 => tasks::claim(
                     tx,
                     now,
                     &next.worker_id,
-                    state::ClaimScope::Flow(&flow_id),
+                    tasks::ClaimScope::Flow(&flow_id),
                     next.max,
                     next.lease_ms,
                 ),
@@ -483,64 +360,8 @@ impl FlowStore for SqliteStore {
     }
 
     async fn fail_attempt(&self, failure: AttemptFailure) -> Result<(), StoreError> {
-        self.write(move |tx, now| {
-            state::check_lease(tx, failure.task_id, failure.lease_token, failure.require_expired.then_some(now))?;
-            state::insert_history(tx, &failure.flow_id, &failure.history)?;
-            cached_execute(tx, "DELETE FROM state_locks WHERE task_id = ?1", params![failure.task_id])
-                .map_err(backend)?;
-            match failure.action {
-                FailureAction::Retry { attempt, not_before } => {
-                    cached_execute(tx,
-                        "UPDATE tasks SET state = 'ready', attempt = ?2, not_before_ms = ?3,
-                         lease_owner = NULL, lease_expires_ms = NULL, output_recorded = 0
-                         WHERE task_id = ?1",
-                        params![failure.task_id, attempt, not_before],
-                    )
-                    .map_err(backend)?;
-                }
-                FailureAction::Redeliver => {
-                    // The same attempt again only while it provably produced
-                    // nothing: checked in this statement, so that a "started"
-                    // write committed after the reaper looked wins, and the
-                    // whole failure (history included) is rolled back.
-                    let redelivered = cached_execute(tx,
-                        "UPDATE tasks SET state = 'ready', lease_owner = NULL, lease_expires_ms = NULL
-                         WHERE task_id = ?1 AND output_recorded = 0",
-                        params![failure.task_id],
-                    )
-                    .map_err(backend)?;
-                    if redelivered == 0 {
-                        return Err(StoreError::OutputRecorded { task_id: failure.task_id });
-                    }
-                }
-                FailureAction::GiveUp { route, flow_error } => {
-                    cached_execute(tx, "DELETE FROM tasks WHERE task_id = ?1", params![failure.task_id])
-                        .map_err(backend)?;
-                    let flow_type: String = cached_query_row(tx,
-                            "SELECT flow_type FROM flows WHERE flow_id = ?1",
-                            params![failure.flow_id],
-                            |row| row.get(0),
-                        )
-                        .map_err(backend)?;
-                    match route {
-                        Some(route) => {
-                            state::insert_task(tx, &failure.flow_id, &flow_type, &route)?;
-                        }
-                        None => {
-                            cached_execute(tx,
-                                "UPDATE flows SET status = 'failed', error = ?2, updated_at_ms = ?3
-                                 WHERE flow_id = ?1",
-                                params![failure.flow_id, flow_error, now],
-                            )
-                            .map_err(backend)?;
-                            state::drop_tasks(tx, &failure.flow_id)?;
-                        }
-                    }
-                }
-            }
-            Ok(())
-        })
-        .await
+        self.write(move |tx, now| tasks::fail_attempt(tx, now, failure))
+            .await
     }
 
     async fn expired_leases(
@@ -552,7 +373,7 @@ impl FlowStore for SqliteStore {
             return Ok(Vec::new());
         }
         let flow_types = flow_types.to_vec();
-        self.read(move |conn, now| state::expired_leases(conn, now, &flow_types, limit))
+        self.read(move |conn, now| tasks::expired_leases(conn, now, &flow_types, limit))
             .await
     }
 
@@ -561,21 +382,8 @@ impl FlowStore for SqliteStore {
             return Ok(None);
         }
         let flow_types = flow_types.to_vec();
-        self.read(move |conn, _| {
-            let list = in_list(flow_types.len());
-            let sql = format!(
-                "SELECT MIN(due) FROM (
-                   SELECT MIN(not_before_ms) AS due FROM tasks WHERE state = 'ready' AND flow_type IN ({list})
-                   UNION ALL
-                   SELECT MIN(wake_at_ms) FROM tasks WHERE state = 'waiting' AND flow_type IN ({list})
-                   UNION ALL
-                   SELECT MIN(lease_expires_ms) FROM tasks WHERE state = 'leased' AND flow_type IN ({list}))"
-            );
-            let params: Vec<&String> = flow_types.iter().chain(&flow_types).chain(&flow_types).collect();
-            cached_query_row(conn, &sql, rusqlite::params_from_iter(params), |row| row.get(0))
-                .map_err(backend)
-        })
-        .await
+        self.read(move |conn, _| tasks::next_due(conn, &flow_types))
+            .await
     }
 
     async fn get(
@@ -621,7 +429,7 @@ impl FlowStore for SqliteStore {
     ) -> Result<(), StoreError> {
         let (flow_id, stream) = (flow_id.to_string(), stream.to_string());
         self.write_quietly(move |tx, now| {
-            state::record_output(tx, now, task_id, lease_token)?;
+            tasks::record_output(tx, now, task_id, lease_token)?;
             streams::append_fitting(tx, now, &flow_id, &stream, &payloads)?;
             Ok(())
         })
@@ -635,24 +443,8 @@ impl FlowStore for SqliteStore {
     ) -> Result<Vec<StateAnswer>, StoreError> {
         let flow_id = flow_id.to_string();
         // Off the runtime: RunModel reads a turn's whole history here.
-        self.read_blocking(move |conn, _| {
-            // One transaction, so that every answer comes from one snapshot.
-            let tx = conn.unchecked_transaction().map_err(backend)?;
-            let answers = queries
-                .iter()
-                .map(|query| match query {
-                    StateQuery::Get { name, key } => {
-                        state::get(&tx, &flow_id, name, key).map(StateAnswer::Value)
-                    }
-                    StateQuery::Map { name, query } => {
-                        state::read_map(&tx, &flow_id, name, query).map(StateAnswer::Entries)
-                    }
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            tx.finish().map_err(backend)?;
-            Ok(answers)
-        })
-        .await
+        self.read_blocking(move |conn, _| state::read_state(conn, &flow_id, &queries))
+            .await
     }
 
     async fn append_stream(
@@ -695,41 +487,14 @@ impl FlowStore for SqliteStore {
 
     async fn step_history(&self, flow_id: &str) -> Result<Vec<StepHistoryEntry>, StoreError> {
         let flow_id = flow_id.to_string();
-        self.read(move |conn, _| {
-            let mut stmt = conn
-                .prepare(
-                    "SELECT event_type, step_type, step_execution_id, attempt, at_ms, detail, started_at_ms, component
-                     FROM step_history WHERE flow_id = ?1 ORDER BY entry_id",
-                )
-                .map_err(backend)?;
-            let rows = stmt
-                .query_map(params![flow_id], |row| {
-                    Ok(StepHistoryEntry {
-                        event_type: row.get(0)?,
-                        step_type: row.get(1)?,
-                        step_execution_id: row.get(2)?,
-                        final_attempt: row.get(3)?,
-                        at: row.get(4)?,
-                        detail: row.get(5)?,
-                        started_at: row.get(6)?,
-                        component: row.get(7)?,
-                    })
-                })
-                .map_err(backend)?
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(backend);
-            rows
-        })
-        .await
+        self.read(move |conn, _| history::step_history(conn, &flow_id))
+            .await
     }
 
     async fn rpc(&self, flow_id: &str, body: RpcBody) -> Result<Box<dyn Any + Send>, RpcError> {
         let flow_id = flow_id.to_string();
-        self.write_job(true, move |conn, now| {
-            let mut state = SqliteStateTx::new(conn, flow_id, now);
-            body(&mut state)
-        })
-        .await
+        self.write_job(true, move |conn, now| rpc::run(conn, flow_id, now, body))
+            .await
     }
 
     /// On a read connection, off the runtime, in one deferred transaction:
@@ -741,29 +506,7 @@ impl FlowStore for SqliteStore {
         body: RpcBody,
     ) -> Result<Box<dyn Any + Send>, RpcError> {
         let flow_id = flow_id.to_string();
-        self.read_blocking(move |conn, now| {
-            let tx = conn.unchecked_transaction().map_err(backend)?;
-            let result = {
-                let mut state = SqliteStateTx::read_only(&tx, flow_id, now);
-                body(&mut state)
-            };
-            // Nothing was written: ending the transaction only releases the
-            // snapshot (a rollback, the default).
-            tx.finish().map_err(backend)?;
-            result
-        })
-        .await
+        self.read_blocking(move |conn, now| rpc::run_read_only(conn, flow_id, now, body))
+            .await
     }
-}
-
-/// Whether a row exists (helper for `OptionalExtension` queries).
-pub(crate) fn exists(
-    conn: &Connection,
-    sql: &str,
-    params: impl rusqlite::Params,
-) -> Result<bool, StoreError> {
-    cached_query_row(conn, sql, params, |_| Ok(()))
-        .optional()
-        .map(|found| found.is_some())
-        .map_err(backend)
 }

@@ -2,7 +2,6 @@
 
 use rusqlite::Connection;
 
-use super::backend;
 use crate::flow::StoreError;
 
 const SCHEMA_VERSION: i64 = 3;
@@ -148,32 +147,25 @@ CREATE TABLE IF NOT EXISTS config_versions (
 pub(super) fn migrate(conn: &mut Connection) -> Result<(), StoreError> {
     // The version is read inside the write lock, so two processes opening an
     // old store at once do not both upgrade it.
-    let tx = conn
-        .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
-        .map_err(backend)?;
-    let version: i64 = tx
-        .query_row("PRAGMA user_version", [], |row| row.get(0))
-        .map_err(backend)?;
+    let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+    let version: i64 = tx.query_row("PRAGMA user_version", [], |row| row.get(0))?;
     if version > SCHEMA_VERSION {
         return Err(StoreError::Backend(format!(
             "the store was written by a newer dexa (schema {version}, this one knows {SCHEMA_VERSION})"
         )));
     }
-    tx.execute_batch(SCHEMA).map_err(backend)?;
+    tx.execute_batch(SCHEMA)?;
     // Schema 2: when each history entry's attempt started.
     if version == 1 {
-        tx.execute_batch("ALTER TABLE step_history ADD COLUMN started_at_ms INTEGER")
-            .map_err(backend)?;
+        tx.execute_batch("ALTER TABLE step_history ADD COLUMN started_at_ms INTEGER")?;
     }
     // Schema 3: which component version ran each Step (the catalog's
     // tables are new and created above).
     if (1..=2).contains(&version) {
-        tx.execute_batch("ALTER TABLE step_history ADD COLUMN component TEXT")
-            .map_err(backend)?;
+        tx.execute_batch("ALTER TABLE step_history ADD COLUMN component TEXT")?;
     }
-    tx.pragma_update(None, "user_version", SCHEMA_VERSION)
-        .map_err(backend)?;
-    tx.commit().map_err(backend)
+    tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
+    Ok(tx.commit()?)
 }
 
 #[cfg(test)]

@@ -3,10 +3,11 @@
 
 use rusqlite::{params, Connection, OptionalExtension};
 
-use super::state::parse_json;
-use super::{backend, cached_execute, cached_query_row, DEFAULT_STREAM_CAPACITY};
+use super::sql::{cached_execute, cached_query_row};
+use super::DEFAULT_STREAM_CAPACITY;
 use crate::flow::store::StoreError;
 use crate::flow::types::{Json, StoreMillis, StreamEntry, StreamPage};
+use crate::store::rows::parse_json;
 
 fn stream_meta(
     conn: &Connection,
@@ -18,8 +19,7 @@ fn stream_meta(
             params![flow_id, stream],
             |row| Ok((row.get::<_, i64>(0)?, row.get::<_, i64>(1)? as u64, row.get::<_, i64>(2)? as u64)),
         )
-        .optional()
-        .map_err(backend)?;
+        .optional()?;
     Ok(meta.unwrap_or((1, 0, DEFAULT_STREAM_CAPACITY)))
 }
 
@@ -34,8 +34,7 @@ fn save_stream_meta(
          ON CONFLICT (flow_id, stream) DO UPDATE SET next_seq = excluded.next_seq,
             total_bytes = excluded.total_bytes, capacity_bytes = excluded.capacity_bytes",
         params![flow_id, stream, meta.0, meta.1 as i64, meta.2 as i64],
-    )
-    .map_err(backend)?;
+    )?;
     Ok(())
 }
 
@@ -53,8 +52,7 @@ fn trim_stream(
                 params![flow_id, stream],
                 |row| Ok((row.get::<_, i64>(0)?, row.get::<_, i64>(1)? as u64)),
             )
-            .optional()
-            .map_err(backend)?;
+            .optional()?;
         let Some((seq, bytes)) = oldest else {
             *total = 0;
             break;
@@ -63,8 +61,7 @@ fn trim_stream(
             conn,
             "DELETE FROM stream_entries WHERE flow_id = ?1 AND stream = ?2 AND seq = ?3",
             params![flow_id, stream, seq],
-        )
-        .map_err(backend)?;
+        )?;
         *total = total.saturating_sub(bytes);
     }
     Ok(())
@@ -136,8 +133,7 @@ fn append(
         cached_execute(conn,
             "INSERT INTO stream_entries (flow_id, stream, seq, payload, bytes, at_ms) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
             params![flow_id, stream, next_seq, text, bytes as i64, now],
-        )
-        .map_err(backend)?;
+        )?;
         seqs.push(next_seq);
         next_seq += 1;
         total += bytes;
@@ -171,14 +167,11 @@ pub(super) fn read_stream(
         "SELECT MIN(seq) FROM stream_entries WHERE flow_id = ?1 AND stream = ?2",
         params![flow_id, stream],
         |row| row.get(0),
-    )
-    .map_err(backend)?;
-    let mut stmt = conn
-        .prepare_cached(
-            "SELECT seq, payload, at_ms FROM stream_entries
+    )?;
+    let mut stmt = conn.prepare_cached(
+        "SELECT seq, payload, at_ms FROM stream_entries
              WHERE flow_id = ?1 AND stream = ?2 AND seq > ?3 ORDER BY seq LIMIT ?4",
-        )
-        .map_err(backend)?;
+    )?;
     let rows = stmt
         .query_map(params![flow_id, stream, after_seq, limit as i64], |row| {
             Ok((
@@ -186,10 +179,8 @@ pub(super) fn read_stream(
                 row.get::<_, String>(1)?,
                 row.get::<_, i64>(2)?,
             ))
-        })
-        .map_err(backend)?
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(backend)?;
+        })?
+        .collect::<Result<Vec<_>, _>>()?;
     let entries = rows
         .into_iter()
         .map(|(seq, payload, at)| {

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use rusqlite::Connection;
 use tokio::sync::Notify;
 
-use super::{cached_execute, now_millis};
+use super::sql::{cached_execute, now_millis};
 use crate::flow::store::StoreError;
 use crate::flow::types::StoreMillis;
 
