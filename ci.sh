@@ -49,6 +49,18 @@ guests/python/build.sh
 guests/js/build.sh
 guests/c/build.sh
 
+step "PostgreSQL for the second store backend: Debian's postgresql, a throwaway cluster on 127.0.0.1 under target/"
+if [ -n "${DEXA_TEST_POSTGRES:-}" ]; then
+    echo "using the server at DEXA_TEST_POSTGRES"
+else
+    ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || apt_install postgresql
+    # Stopped whatever happens: on success, failure or Ctrl-C.
+    trap 'scripts/test-postgres.sh stop target/postgres' EXIT
+    DEXA_TEST_POSTGRES=$(scripts/test-postgres.sh start target/postgres)
+    export DEXA_TEST_POSTGRES
+    echo "started $DEXA_TEST_POSTGRES"
+fi
+
 step "format"
 cargo fmt --all -- --check
 cargo fmt --manifest-path guests/Cargo.toml --all -- --check

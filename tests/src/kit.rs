@@ -183,8 +183,22 @@ impl AgentTestStack {
         std::fs::write(&config_path, &config).unwrap_or_else(|err| panic!("write config: {err}"));
         let parsed = DexaConfig::load(&config_path)
             .unwrap_or_else(|err| panic!("the kit's config is invalid: {err}\n{config}"));
-        let deployment =
-            Deployment::for_clients(parsed).unwrap_or_else(|err| panic!("deployment: {err:#}"));
+        // The kit's stores are SQLite, which holds nothing on a runtime: a
+        // runtime of its own on a thread of its own opens it from sync code,
+        // inside or outside a test's runtime.
+        let deployment = std::thread::scope(|scope| {
+            scope
+                .spawn(|| {
+                    tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .unwrap_or_else(|err| panic!("runtime: {err}"))
+                        .block_on(Deployment::for_clients(parsed))
+                })
+                .join()
+                .unwrap_or_else(|_| panic!("opening the deployment panicked"))
+        })
+        .unwrap_or_else(|err| panic!("deployment: {err:#}"));
         Self {
             dir,
             config_path,

@@ -74,10 +74,55 @@ struct RunningWorker {
 pub struct SessionStack {
     pub dir: tempfile::TempDir,
     pub store: Arc<dyn FlowStore>,
+    /// Which backend `store` is.
+    pub backend: Backend,
     pub engine: SandboxEngine,
     pub registry: Arc<Registry>,
     flows: Vec<AgentSessionFlow>,
     worker: Option<RunningWorker>,
+}
+
+/// Which store backend a [`SessionStack`] opens: the session suite runs
+/// every test on each (see its `backends!`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    Sqlite,
+    Postgres,
+}
+
+tokio::task_local! {
+    /// The backend of the test running in this task (SQLite when unset).
+    pub static BACKEND: Backend;
+}
+
+impl Backend {
+    /// The backend of the running test.
+    pub fn current() -> Self {
+        BACKEND
+            .try_with(|backend| *backend)
+            .unwrap_or(Backend::Sqlite)
+    }
+}
+
+/// The store of `dir`: its SQLite file, or its schema on the test
+/// PostgreSQL server (`DEXA_TEST_POSTGRES`).
+async fn open_store(backend: Backend, dir: &std::path::Path) -> Arc<dyn FlowStore> {
+    match backend {
+        Backend::Sqlite => Arc::new(
+            dexa::store::sqlite::SqliteStore::open(dir.join("store.sqlite"), Default::default())
+                .unwrap_or_else(|err| panic!("open store: {err}")),
+        ),
+        Backend::Postgres => {
+            let address = crate::toy::postgres_address(dir);
+            let url = dexa::store::postgres::PostgresUrl::parse(&address)
+                .unwrap_or_else(|err| panic!("{address}: {err}"));
+            Arc::new(
+                dexa::store::postgres::PostgresStore::connect(url)
+                    .await
+                    .unwrap_or_else(|err| panic!("open {address}: {err}")),
+            )
+        }
+    }
 }
 
 impl SessionStack {
@@ -87,13 +132,8 @@ impl SessionStack {
         let dir = tempfile::tempdir().unwrap_or_else(|err| panic!("temp dir: {err}"));
         std::fs::create_dir_all(dir.path().join("gates"))
             .unwrap_or_else(|err| panic!("gates dir: {err}"));
-        let store: Arc<dyn FlowStore> = Arc::new(
-            dexa::store::sqlite::SqliteStore::open(
-                dir.path().join("store.sqlite"),
-                Default::default(),
-            )
-            .unwrap_or_else(|err| panic!("open store: {err}")),
-        );
+        let backend = Backend::current();
+        let store = open_store(backend, dir.path()).await;
         let engine = test_engine();
         let mut flows = Vec::new();
         for agent in agents {
@@ -135,11 +175,17 @@ impl SessionStack {
         Self {
             dir,
             store,
+            backend,
             engine,
             registry,
             flows,
             worker: None,
         }
+    }
+
+    /// Another handle on the stack's store, as another process opens it.
+    pub async fn another_handle(&self) -> Arc<dyn FlowStore> {
+        open_store(self.backend, self.dir.path()).await
     }
 
     /// The directory `/gates` of `gate-tool` maps to.

@@ -16,6 +16,8 @@ use serde_json::json;
 pub trait StoreFactory: Send + Sync {
     fn name(&self) -> &'static str;
     fn open(&self, dir: &Path) -> Arc<dyn FlowStore>;
+    /// The address another process opens the same store at.
+    fn address(&self, dir: &Path) -> String;
 }
 
 /// The embedded SQLite backend.
@@ -26,12 +28,70 @@ impl StoreFactory for SqliteFactory {
         "sqlite"
     }
 
+    fn address(&self, dir: &Path) -> String {
+        dir.join("store.sqlite").display().to_string()
+    }
+
     fn open(&self, dir: &Path) -> Arc<dyn FlowStore> {
         let path = dir.join("store.sqlite");
         Arc::new(
             dexa::store::sqlite::SqliteStore::open(&path, Default::default())
                 .unwrap_or_else(|err| panic!("open {}: {err}", path.display())),
         )
+    }
+}
+
+/// PostgreSQL at `DEXA_TEST_POSTGRES` (`./ci.sh` starts a throwaway
+/// cluster and sets it), in a fresh schema per test directory, so that
+/// tests running at once never see each other's rows.
+pub struct PostgresFactory;
+
+/// The server the PostgreSQL tests use. Panics, saying how to get one,
+/// when none is set: a PostgreSQL test never passes by skipping.
+pub fn test_postgres_url() -> String {
+    std::env::var("DEXA_TEST_POSTGRES").unwrap_or_else(|_| {
+        panic!(
+            "DEXA_TEST_POSTGRES is not set: run ./ci.sh (it starts a throwaway PostgreSQL), \
+             or `export DEXA_TEST_POSTGRES=$(scripts/test-postgres.sh start target/postgres)`"
+        )
+    })
+}
+
+/// The address of a fresh schema for `dir` on the test server.
+pub fn postgres_address(dir: &Path) -> String {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    dir.hash(&mut hasher);
+    std::process::id().hash(&mut hasher);
+    let base = test_postgres_url();
+    let sep = if base.contains('?') { '&' } else { '?' };
+    format!("{base}{sep}schema=dexa_test_{:016x}", hasher.finish())
+}
+
+/// Opens the PostgreSQL store of `dir`'s schema, from synchronous test code
+/// on a multi-threaded runtime.
+pub fn open_postgres(dir: &Path) -> dexa::store::postgres::PostgresStore {
+    let address = postgres_address(dir);
+    let url = dexa::store::postgres::PostgresUrl::parse(&address)
+        .unwrap_or_else(|err| panic!("{address}: {err}"));
+    tokio::task::block_in_place(|| {
+        tokio::runtime::Handle::current()
+            .block_on(dexa::store::postgres::PostgresStore::connect(url))
+            .unwrap_or_else(|err| panic!("open {address}: {err}"))
+    })
+}
+
+impl StoreFactory for PostgresFactory {
+    fn name(&self) -> &'static str {
+        "postgres"
+    }
+
+    fn address(&self, dir: &Path) -> String {
+        postgres_address(dir)
+    }
+
+    fn open(&self, dir: &Path) -> Arc<dyn FlowStore> {
+        Arc::new(open_postgres(dir))
     }
 }
 

@@ -1,5 +1,5 @@
 //! The component catalog's storage rules, run against every store backend
-//! (the SQLite store today): idempotent adds by digest, activations that
+//! (SQLite and PostgreSQL): idempotent adds by digest, activations that
 //! refuse an unknown digest and leave the log unchanged, the log read from
 //! a sequence number, removal that keeps the log and never takes a version
 //! activated after the log the gc read, an activation refused when its
@@ -26,6 +26,14 @@ impl CatalogFactory for SqliteFactory {
             SqliteStore::open(dir.join("catalog.sqlite"), SqliteOptions::default())
                 .unwrap_or_else(|err| panic!("{err}")),
         )
+    }
+}
+
+struct PostgresFactory;
+
+impl CatalogFactory for PostgresFactory {
+    fn open(&self, dir: &std::path::Path) -> Arc<dyn CatalogStore> {
+        Arc::new(dexa_tests::toy::open_postgres(dir))
     }
 }
 
@@ -317,6 +325,14 @@ macro_rules! backends {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $test() {
                     super::$test(&super::SqliteFactory).await;
+                }
+            )*
+        }
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    super::$test(&super::PostgresFactory).await;
                 }
             )*
         }

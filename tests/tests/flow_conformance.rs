@@ -12,7 +12,9 @@ use dexa::flow::{
     FlowClient, FlowStatus, FlowStore, Json, NewTask, RetryPolicy, RpcError, StepHistoryEntry,
     StoreError, Worker, WorkerOptions,
 };
-use dexa_tests::toy::{toy_registry, wait_until, Probe, SqliteFactory, StoreFactory};
+use dexa_tests::toy::{
+    toy_registry, wait_until, PostgresFactory, Probe, SqliteFactory, StoreFactory,
+};
 use serde_json::json;
 
 const PATIENCE: Duration = Duration::from_secs(20);
@@ -1023,7 +1025,7 @@ impl Drop for WorkerProcess {
     }
 }
 
-fn spawn_worker_process(store: &Path, gates: &Path) -> WorkerProcess {
+fn spawn_worker_process(store: &str, gates: &Path) -> WorkerProcess {
     WorkerProcess(
         Command::new(env!("CARGO_BIN_EXE_toy-worker"))
             .arg(store)
@@ -1039,12 +1041,9 @@ fn spawn_worker_process(store: &Path, gates: &Path) -> WorkerProcess {
 /// Step again and the flow completes. Without output the same attempt is
 /// delivered again; after a heartbeat, the next attempt runs.
 async fn a_killed_worker_process_mid_step(factory: &dyn StoreFactory) {
-    if factory.name() != "sqlite" {
-        return;
-    }
     let stack = Stack::new(factory);
     let dir = stack._dir.path().to_path_buf();
-    let store_path = dir.join("store.sqlite");
+    let store_path = factory.address(&dir);
     for (flow, heartbeat, rerun_attempt, first_event) in [
         ("quiet", false, 1, REDELIVERED),
         ("beating", true, 2, ATTEMPT_FAILED),
@@ -1150,6 +1149,14 @@ macro_rules! backends {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $test() {
                     super::$test(&super::SqliteFactory).await;
+                }
+            )*
+        }
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    super::$test(&super::PostgresFactory).await;
                 }
             )*
         }

@@ -100,7 +100,6 @@ fn answer(
     }
 }
 
-#[tokio::test]
 async fn a_turn_with_tools_follows_the_flow_shape() {
     let stack = started(vec![echo_agent("Shape")]).await;
     let sessions = stack.sessions("Shape");
@@ -139,7 +138,6 @@ async fn a_turn_with_tools_follows_the_flow_shape() {
     assert_eq!(last_text(&snapshot).as_deref(), Some("echo: again"));
 }
 
-#[tokio::test]
 async fn step_policies_follow_the_spec() {
     let flow = AgentSessionFlow::for_clients("Policies", AgentSessionOptions::default());
     let def = flow.definition();
@@ -175,7 +173,6 @@ async fn step_policies_follow_the_spec() {
     assert_eq!(BACKGROUND_HEARTBEAT, Duration::from_secs(20));
 }
 
-#[tokio::test]
 async fn run_model_failures_retry_three_times_then_record_turn_failure_and_the_next_turn_clears_the_error(
 ) {
     let stack = started(vec![echo_agent("Failing")]).await;
@@ -222,7 +219,6 @@ async fn run_model_failures_retry_three_times_then_record_turn_failure_and_the_n
     );
 }
 
-#[tokio::test]
 async fn an_invalid_tool_calls_requested_fails_the_turn() {
     let stack = started(vec![echo_agent("Invalid")]).await;
     let sessions = stack.sessions("Invalid");
@@ -294,7 +290,6 @@ async fn an_invalid_tool_calls_requested_fails_the_turn() {
     );
 }
 
-#[tokio::test]
 async fn turn_completed_appends_all_messages_in_one_commit_in_order_with_sequences_from_1_and_12_digit_keys(
 ) {
     let stack = started(vec![echo_agent("Append")]).await;
@@ -373,7 +368,6 @@ async fn turn_completed_appends_all_messages_in_one_commit_in_order_with_sequenc
     assert_eq!(completed[0].data["message_count"], json!(6));
 }
 
-#[tokio::test]
 async fn the_usage_of_each_model_call_is_added_to_the_session_total() {
     let stack = started(vec![echo_agent("Usage")]).await;
     let sessions = stack.sessions("Usage");
@@ -419,7 +413,6 @@ async fn the_usage_of_each_model_call_is_added_to_the_session_total() {
     assert_eq!(usage_events[2].data["session"]["total_tokens"], json!(121));
 }
 
-#[tokio::test]
 async fn a_blank_initial_message_starts_no_turn_and_blank_messages_are_refused() {
     let mut stack = SessionStack::new(vec![echo_agent("Blank")]).await;
     let sessions = stack.sessions("Blank");
@@ -451,7 +444,6 @@ async fn a_blank_initial_message_starts_no_turn_and_blank_messages_are_refused()
     ));
 }
 
-#[tokio::test]
 async fn tools_served_by_a_component_go_to_it_and_others_to_the_runner_with_the_idempotency_key() {
     let stack = started(vec![echo_agent("Routing")]).await;
     let sessions = stack.sessions("Routing");
@@ -470,7 +462,6 @@ async fn tools_served_by_a_component_go_to_it_and_others_to_the_runner_with_the_
     assert_eq!(by_runner["idempotency_key"], json!("sess-é/turn-1/c2"));
 }
 
-#[tokio::test]
 async fn the_policy_is_explicit_then_framework_effect_then_default_and_approval_follows_the_effect_table(
 ) {
     let options = AgentSessionOptions::default()
@@ -546,7 +537,6 @@ async fn the_policy_is_explicit_then_framework_effect_then_default_and_approval_
     ); // c
 }
 
-#[tokio::test]
 async fn a_tool_execution_error_records_failed_with_no_retry() {
     let stack = started(vec![echo_agent("ExecError")]).await;
     let sessions = stack.sessions("ExecError");
@@ -568,7 +558,6 @@ async fn a_tool_execution_error_records_failed_with_no_retry() {
     assert_eq!(tool, vec![(history::EXECUTE_COMPLETED, 1)]);
 }
 
-#[tokio::test]
 async fn other_tool_errors_retry_as_the_effect_allows_then_record_failed_or_outcome_unknown() {
     let options = AgentSessionOptions::default()
         .tool_policy("internal_fail", ToolPolicy::new(ToolEffect::Read))
@@ -629,7 +618,6 @@ async fn other_tool_errors_retry_as_the_effect_allows_then_record_failed_or_outc
     assert_eq!(count(&steps, step::RECORD_TOOL_OUTCOME_UNKNOWN), 1);
 }
 
-#[tokio::test]
 async fn every_tool_call_publishes_exactly_one_result_when_its_record_becomes_final() {
     let options = AgentSessionOptions::default()
         .tool_policy("internal_fail", ToolPolicy::new(ToolEffect::Read));
@@ -777,7 +765,6 @@ async fn wait_for_history(
     .await
 }
 
-#[tokio::test]
 async fn a_tool_step_whose_record_is_already_final_ends_without_running() {
     let mut stack = SessionStack::new(vec![
         AgentSpec::scripted("Final").tool("gate-tool", Grants::none())
@@ -849,7 +836,6 @@ async fn a_tool_step_whose_record_is_already_final_ends_without_running() {
     );
 }
 
-#[tokio::test]
 async fn resume_turn_waits_again_if_a_consumed_result_left_a_record_of_the_turn_unfinished() {
     let mut stack = SessionStack::new(vec![AgentSpec::scripted("Resume")]).await;
     let user_text = turn(json!([{"tool_calls": []}, {"text": "resumed"}]));
@@ -938,7 +924,6 @@ async fn resume_turn_waits_again_if_a_consumed_result_left_a_record_of_the_turn_
     );
 }
 
-#[tokio::test]
 async fn a_deadline_timer_that_fires_early_waits_again() {
     let mut stack = SessionStack::new(vec![
         AgentSpec::scripted("Early").tool("gate-tool", Grants::none())
@@ -993,7 +978,6 @@ async fn a_deadline_timer_that_fires_early_waits_again() {
     assert_eq!(stack.invocations(), vec!["c1 s1/turn-1/c1".to_string()]);
 }
 
-#[tokio::test]
 async fn approvals_expire_at_their_exact_deadline_and_the_timer_fires_on_the_whole_second() {
     let options = AgentSessionOptions::default().interrupt_deadline(Duration::from_millis(1500));
     let stack = started(vec![echo_agent("Expire").options(options)]).await;
@@ -1046,7 +1030,6 @@ async fn approvals_expire_at_their_exact_deadline_and_the_timer_fires_on_the_who
     assert_eq!(resolved[0].data["approved"], json!(false));
 }
 
-#[tokio::test]
 async fn a_rejected_approval_records_rejected_and_resolve_interrupt_returns_false_when_not_pending()
 {
     let stack = started(vec![echo_agent("Reject")]).await;
@@ -1081,7 +1064,6 @@ async fn a_rejected_approval_records_rejected_and_resolve_interrupt_returns_fals
     );
 }
 
-#[tokio::test]
 async fn resolve_interrupt_drops_the_rejection_message_on_approval() {
     let stack = started(vec![echo_agent("Approve")]).await;
     let sessions = stack.sessions("Approve");
@@ -1212,7 +1194,6 @@ async fn resolve_interrupt_retries_a_lock_conflict_until_the_step_holding_it_end
     let _ = worker.await;
 }
 
-#[tokio::test]
 async fn record_turn_failure_writes_the_turn_failure_note_exactly_through_build_user_message() {
     let stack = started(vec![echo_agent("Note")]).await;
     let sessions = stack.sessions("Note");
@@ -1285,7 +1266,6 @@ Do not repeat these tool calls unless the user asks again.";
     );
 }
 
-#[tokio::test]
 async fn snapshots_keep_the_last_200_messages_pages_are_clamped_and_stopped_sessions_are_served() {
     let stack = started(vec![echo_agent("Paging")]).await;
     let sessions = stack.sessions("Paging");
@@ -1350,7 +1330,6 @@ async fn snapshots_keep_the_last_200_messages_pages_are_clamped_and_stopped_sess
     ));
 }
 
-#[tokio::test]
 async fn events_carry_turn_step_execution_and_attempt_and_every_event_type_appears() {
     let options = AgentSessionOptions::default()
         .tool_policy("emit_events", ToolPolicy::new(ToolEffect::Read));
@@ -1455,7 +1434,6 @@ async fn events_carry_turn_step_execution_and_attempt_and_every_event_type_appea
     assert_eq!(custom[0].origin.as_deref(), Some(ORIGIN_GUEST));
 }
 
-#[tokio::test]
 async fn the_events_capacity_bounds_the_stream() {
     let options = AgentSessionOptions::default().events_capacity(4096);
     let stack = started(vec![echo_agent("Capacity").options(options)]).await;
@@ -1495,7 +1473,6 @@ async fn the_events_capacity_bounds_the_stream() {
     );
 }
 
-#[tokio::test]
 async fn several_agents_run_at_once_each_with_its_own_runner_and_tools() {
     let ledger = tempfile::tempdir().unwrap();
     let alpha = echo_agent("Alpha");
@@ -1545,7 +1522,6 @@ async fn several_agents_run_at_once_each_with_its_own_runner_and_tools() {
     );
 }
 
-#[tokio::test]
 async fn the_tool_steps_of_one_response_run_in_parallel() {
     let options =
         AgentSessionOptions::default().tool_policy("gate", ToolPolicy::new(ToolEffect::Read));
@@ -1574,7 +1550,6 @@ async fn the_tool_steps_of_one_response_run_in_parallel() {
 /// A user message build-user-message cannot turn into a `user` message is
 /// given up after StartAgentSession's attempts, with the reason recorded;
 /// the session itself goes on (it has no failure route to fall back to).
-#[tokio::test]
 async fn build_user_message_must_return_the_user_role() {
     let stack = started(vec![
         AgentSpec::scripted("Role").runner_config("user_role", "assistant")
@@ -1601,7 +1576,6 @@ async fn build_user_message_must_return_the_user_role() {
     assert_eq!(attempts, 3, "its three attempts, then the session went on");
 }
 
-#[tokio::test]
 async fn the_host_model_answers_run_model_and_its_usage_and_text_reach_the_session() {
     use dexa::plugin::wit::{
         MessageRole as WitRole, ModelMessage, ModelResponse, ModelToolCall, Usage,
@@ -1686,7 +1660,6 @@ async fn the_host_model_answers_run_model_and_its_usage_and_text_reach_the_sessi
     assert_eq!(text, "the model is done");
 }
 
-#[tokio::test]
 async fn a_runner_may_add_an_approval_but_never_skip_one() {
     let stack = started(vec![echo_agent("Lying")]).await;
     let sessions = stack.sessions("Lying");
@@ -1714,7 +1687,6 @@ async fn a_runner_may_add_an_approval_but_never_skip_one() {
         .all(|e| e.step_type != step::CALL_SINGLE_ATTEMPT_TOOL));
 }
 
-#[tokio::test]
 async fn an_event_too_large_for_the_stream_is_dropped_and_the_turn_completes() {
     let options = AgentSessionOptions::default().events_capacity(2000);
     let stack = started(vec![echo_agent("Oversize").options(options)]).await;
@@ -1758,7 +1730,6 @@ async fn an_event_too_large_for_the_stream_is_dropped_and_the_turn_completes() {
 /// The effect a tool component declares in `list-tools` binds the runner: a
 /// runner that reports a non-idempotent write as a read needing no approval
 /// gets the approval and the single-attempt path all the same.
-#[tokio::test]
 async fn a_runner_cannot_skip_an_approval_by_under_declaring_a_tools_effect() {
     let outbox = tempfile::tempdir().unwrap();
     let agent = AgentSpec::scripted("Underdeclared").tool(
@@ -1859,7 +1830,6 @@ async fn snapshots_and_message_pages_do_not_wait_for_the_store_writer() {
     );
 }
 
-#[tokio::test]
 async fn a_read_only_rpc_refuses_every_write() {
     let stack = SessionStack::new(vec![AgentSpec::scripted("ReadOnly")]).await;
     let sessions = stack.sessions("ReadOnly");
@@ -1897,7 +1867,6 @@ async fn a_read_only_rpc_refuses_every_write() {
     assert_eq!(queued, 0);
 }
 
-#[tokio::test]
 async fn a_user_message_over_the_cap_is_refused_before_anything_is_queued() {
     let stack = SessionStack::new(vec![AgentSpec::scripted("Big")]).await;
     let sessions = stack.sessions("Big");
@@ -1949,7 +1918,6 @@ async fn a_user_message_over_the_cap_is_refused_before_anything_is_queued() {
     );
 }
 
-#[tokio::test]
 async fn a_user_message_at_the_cap_fits_build_user_message_whatever_it_holds() {
     let stack = started(vec![AgentSpec::scripted("AtCap")]).await;
     let sessions = stack.sessions("AtCap");
@@ -1968,19 +1936,14 @@ async fn a_user_message_at_the_cap_fits_build_user_message_whatever_it_holds() {
     );
 }
 
-#[tokio::test]
 async fn an_idempotency_key_holds_for_every_store_handle_and_a_bad_key_is_refused() {
     let stack = SessionStack::new(vec![AgentSpec::scripted("Keys")]).await;
     let sessions = stack.sessions("Keys");
     sessions.start_session("s1", "").await.unwrap();
     // Another handle on the same file, as another process opens it.
-    let other = dexa::store::sqlite::SqliteStore::open(
-        stack.dir.path().join("store.sqlite"),
-        Default::default(),
-    )
-    .unwrap();
+    let other = stack.another_handle().await;
     let elsewhere = AgentSessionClient::new(
-        dexa::flow::FlowClient::new(Arc::new(other), stack.registry.clone()),
+        dexa::flow::FlowClient::new(other, stack.registry.clone()),
         "Keys",
     );
     let send = |client: &AgentSessionClient, text: &str, key: &str| {
@@ -2047,7 +2010,6 @@ async fn an_idempotency_key_holds_for_every_store_handle_and_a_bad_key_is_refuse
     ));
 }
 
-#[tokio::test]
 async fn a_session_remembers_at_most_its_newest_idempotency_keys() {
     let stack = SessionStack::new(vec![AgentSpec::scripted("ManyKeys")]).await;
     let sessions = stack.sessions("ManyKeys");
@@ -2103,7 +2065,6 @@ async fn a_session_remembers_at_most_its_newest_idempotency_keys() {
 
 /// A long answer streamed token by token is stored as a few merged delta
 /// entries, each at most 4 KiB, not one row per token.
-#[tokio::test]
 async fn a_ten_thousand_delta_answer_is_stored_in_a_few_rows() {
     let stack = started(vec![echo_agent("Deltas")]).await;
     let sessions = stack.sessions("Deltas");
@@ -2145,7 +2106,6 @@ async fn a_ten_thousand_delta_answer_is_stored_in_a_few_rows() {
 /// A runner's tool events about a call the host runs (one already deferred,
 /// or one it defers in the same response) are refused; those about tools its
 /// framework ran itself are kept, marked as the guest's.
-#[tokio::test]
 async fn a_runner_cannot_report_the_hosts_tool_calls() {
     let stack = started(vec![echo_agent("Forger")]).await;
     let sessions = stack.sessions("Forger");
@@ -2191,7 +2151,6 @@ async fn a_runner_cannot_report_the_hosts_tool_calls() {
 /// RecordTurnFailure has no failure route: when its note cannot be built
 /// (the runner traps on it), its last attempt ends the turn without the note
 /// and says why, and the session goes on.
-#[tokio::test]
 async fn a_failure_note_the_runner_cannot_take_still_ends_the_turn() {
     let agent = echo_agent("NoNote").runner_config("refuse_notes", "yes");
     let stack = started(vec![agent]).await;
@@ -2224,3 +2183,70 @@ async fn a_failure_note_the_runner_cannot_take_still_ends_the_turn() {
     let after = wait_for_turns(&sessions, "s1", 2).await;
     assert_eq!(after.state.and_then(|s| s.last_turn_error), None);
 }
+
+/// Every test above without its own `#[tokio::test]` runs once per store
+/// backend; those two read SQLite's writer and stay SQLite's.
+macro_rules! backends {
+    ($($test:ident),* $(,)?) => {
+        mod sqlite {
+            $(
+                #[tokio::test]
+                async fn $test() {
+                    dexa_tests::session::BACKEND
+                        .scope(dexa_tests::session::Backend::Sqlite, super::$test())
+                        .await;
+                }
+            )*
+        }
+        mod postgres {
+            $(
+                #[tokio::test]
+                async fn $test() {
+                    dexa_tests::session::BACKEND
+                        .scope(dexa_tests::session::Backend::Postgres, super::$test())
+                        .await;
+                }
+            )*
+        }
+    };
+}
+
+backends!(
+    a_turn_with_tools_follows_the_flow_shape,
+    step_policies_follow_the_spec,
+    run_model_failures_retry_three_times_then_record_turn_failure_and_the_next_turn_clears_the_error,
+    an_invalid_tool_calls_requested_fails_the_turn,
+    turn_completed_appends_all_messages_in_one_commit_in_order_with_sequences_from_1_and_12_digit_keys,
+    the_usage_of_each_model_call_is_added_to_the_session_total,
+    a_blank_initial_message_starts_no_turn_and_blank_messages_are_refused,
+    tools_served_by_a_component_go_to_it_and_others_to_the_runner_with_the_idempotency_key,
+    the_policy_is_explicit_then_framework_effect_then_default_and_approval_follows_the_effect_table,
+    a_tool_execution_error_records_failed_with_no_retry,
+    other_tool_errors_retry_as_the_effect_allows_then_record_failed_or_outcome_unknown,
+    every_tool_call_publishes_exactly_one_result_when_its_record_becomes_final,
+    a_tool_step_whose_record_is_already_final_ends_without_running,
+    resume_turn_waits_again_if_a_consumed_result_left_a_record_of_the_turn_unfinished,
+    a_deadline_timer_that_fires_early_waits_again,
+    approvals_expire_at_their_exact_deadline_and_the_timer_fires_on_the_whole_second,
+    a_rejected_approval_records_rejected_and_resolve_interrupt_returns_false_when_not_pending,
+    resolve_interrupt_drops_the_rejection_message_on_approval,
+    record_turn_failure_writes_the_turn_failure_note_exactly_through_build_user_message,
+    snapshots_keep_the_last_200_messages_pages_are_clamped_and_stopped_sessions_are_served,
+    events_carry_turn_step_execution_and_attempt_and_every_event_type_appears,
+    the_events_capacity_bounds_the_stream,
+    several_agents_run_at_once_each_with_its_own_runner_and_tools,
+    the_tool_steps_of_one_response_run_in_parallel,
+    build_user_message_must_return_the_user_role,
+    the_host_model_answers_run_model_and_its_usage_and_text_reach_the_session,
+    a_runner_may_add_an_approval_but_never_skip_one,
+    an_event_too_large_for_the_stream_is_dropped_and_the_turn_completes,
+    a_runner_cannot_skip_an_approval_by_under_declaring_a_tools_effect,
+    a_read_only_rpc_refuses_every_write,
+    a_user_message_over_the_cap_is_refused_before_anything_is_queued,
+    a_user_message_at_the_cap_fits_build_user_message_whatever_it_holds,
+    an_idempotency_key_holds_for_every_store_handle_and_a_bad_key_is_refused,
+    a_session_remembers_at_most_its_newest_idempotency_keys,
+    a_ten_thousand_delta_answer_is_stored_in_a_few_rows,
+    a_runner_cannot_report_the_hosts_tool_calls,
+    a_failure_note_the_runner_cannot_take_still_ends_the_turn,
+);

@@ -72,7 +72,7 @@ pub async fn run(args: ChatArgs) -> anyhow::Result<()> {
     }
     let memory = memory_file(&config, &args.agent);
     let deployment = if args.no_worker {
-        Deployment::for_clients(config)?
+        Deployment::for_clients(config).await?
     } else {
         eprintln!("loading the agent's components (the first run compiles them)...");
         Deployment::for_workers(config, &print_progress).await?

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use clap::Args;
 
 use super::worker::print_progress;
-use crate::config::{Deployment, DexaConfig, StoreUrl};
+use crate::config::{Deployment, DexaConfig};
 use crate::flow::history;
 use crate::session::{event_type, new_session_id};
 
@@ -45,8 +45,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
             component.path.display()
         );
     }
-    let StoreUrl::Sqlite(store_path, _) = config.store.clone();
-    println!("store: {} (embedded SQLite)", store_path.display());
+    println!("store: {}", config.store.describe());
     println!("loading components (the first run compiles each, a few seconds each)...");
     let started = Instant::now();
     let deployment = Deployment::for_workers(config, &print_progress).await?;

@@ -122,7 +122,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let config = DexaConfig::load(&args.config)?;
     let (token, source) = resolve_token(args.token_file.as_deref(), &config)?;
     let deployment = if args.no_worker {
-        Deployment::for_clients(config)?
+        Deployment::for_clients(config).await?
     } else {
         Deployment::for_workers(config, &print_progress).await?
     };

@@ -117,7 +117,7 @@ fn pick_interrupt(snapshot: &AgentSnapshot, given: Option<String>) -> anyhow::Re
 
 pub async fn run(args: SessionArgs) -> anyhow::Result<()> {
     let config = DexaConfig::load(&args.config)?;
-    let deployment = Deployment::for_clients(config)?;
+    let deployment = Deployment::for_clients(config).await?;
     let print = |value: serde_json::Value, text: String| {
         if args.json {
             println!("{value}");

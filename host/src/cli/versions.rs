@@ -37,8 +37,8 @@ impl CatalogArgs {
             .unwrap_or_else(|| "cli".to_string())
     }
 
-    fn open(&self) -> anyhow::Result<Deployment> {
-        Deployment::for_clients(DexaConfig::load(&self.config)?)
+    async fn open(&self) -> anyhow::Result<Deployment> {
+        Deployment::for_clients(DexaConfig::load(&self.config)?).await
     }
 }
 
@@ -125,7 +125,7 @@ fn print(value: serde_json::Value) -> anyhow::Result<()> {
 /// `dexa component add`: verifies the file as a runner or a tool component
 /// (with no grants) and adds it.
 pub async fn add(args: AddArgs) -> anyhow::Result<()> {
-    let deployment = args.catalog.open()?;
+    let deployment = args.catalog.open().await?;
     let engine = config_engine(&deployment.config)?;
     let wasm = std::fs::read(&args.path)
         .with_context(|| format!("cannot read {}", args.path.display()))?;
@@ -144,13 +144,13 @@ pub async fn add(args: AddArgs) -> anyhow::Result<()> {
 }
 
 pub async fn list(args: CatalogArgs) -> anyhow::Result<()> {
-    let deployment = args.open()?;
+    let deployment = args.open().await?;
     let records = deployment.catalog.list_components().await?;
     print(serde_json::to_value(records)?)
 }
 
 pub async fn collect(args: GcArgs) -> anyhow::Result<()> {
-    let deployment = args.catalog.open()?;
+    let deployment = args.catalog.open().await?;
     let report = gc::collect(
         &*deployment.catalog,
         &*deployment.store,
@@ -161,7 +161,7 @@ pub async fn collect(args: GcArgs) -> anyhow::Result<()> {
 }
 
 pub async fn versions(args: VersionsArgs) -> anyhow::Result<()> {
-    let deployment = args.catalog.open()?;
+    let deployment = args.catalog.open().await?;
     if !deployment.config.agents.contains_key(&args.agent) {
         bail!(
             "there is no agent {:?} in {}",
@@ -182,7 +182,7 @@ fn split_tool(spec: &str) -> anyhow::Result<(String, String)> {
 }
 
 pub async fn activate_command(args: ActivateArgs) -> anyhow::Result<()> {
-    let deployment = args.catalog.open()?;
+    let deployment = args.catalog.open().await?;
     let (role, source) = match (&args.runner, &args.tool) {
         (Some(runner), None) => (RUNNER_ROLE.to_string(), runner.clone()),
         (None, Some(tool)) => split_tool(tool)?,
@@ -213,7 +213,7 @@ pub async fn activate_command(args: ActivateArgs) -> anyhow::Result<()> {
 }
 
 pub async fn rollback(args: RollbackArgs) -> anyhow::Result<()> {
-    let deployment = args.catalog.open()?;
+    let deployment = args.catalog.open().await?;
     let role = args.tool.clone().unwrap_or_else(|| RUNNER_ROLE.to_string());
     role_component(&deployment.config, &args.agent, &role).map_err(anyhow::Error::msg)?;
     let target = rollback_request(&*deployment.catalog, &args.agent, &role).await?;

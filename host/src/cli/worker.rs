@@ -8,7 +8,7 @@ use std::sync::Arc;
 use clap::Args;
 
 use crate::config::deploy::LoadProgress;
-use crate::config::{Deployment, DexaConfig, StoreUrl};
+use crate::config::{Deployment, DexaConfig};
 use crate::flow::ClaimedTask;
 
 #[derive(Args, Debug)]
@@ -79,13 +79,12 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
             }
         }));
     }
-    let StoreUrl::Sqlite(store, _) = &deployment.config.store;
     let agents: Vec<&String> = deployment.config.agents.keys().collect();
     eprintln!(
         "worker {} ready: {} slots, agents {agents:?}, store {}",
         options.worker_id,
         options.max_concurrent_tasks,
-        store.display()
+        deployment.config.store.describe()
     );
     deployment.worker_with(options).run(shutdown_signal()).await;
     eprintln!("worker stopped; Steps it was running are delivered again when their leases run out");

@@ -21,6 +21,7 @@ use crate::providers::{OpenAiConfig, OpenAiProvider};
 use crate::session::{
     ActivationWatch, AgentComponents, AgentSessionClient, AgentSessionFlow, CatalogVersions,
 };
+use crate::store::postgres::{PostgresStore, PostgresUrl};
 use crate::store::sqlite::SqliteStore;
 
 /// What loading reports, so a first start that compiles shows progress.
@@ -57,7 +58,7 @@ impl Deployment {
         config: DexaConfig,
         progress: &(dyn Fn(LoadProgress) + Sync),
     ) -> anyhow::Result<Self> {
-        let (store, catalog) = open_store(&config)?;
+        let (store, catalog) = open_store(&config).await?;
         let engine = versions::config_engine(&config)?;
         let used: Vec<&ComponentConfig> = config
             .components
@@ -205,8 +206,8 @@ impl Deployment {
 
     /// What a client needs: the store and the agents' flow types, with no
     /// component loaded (their Steps refuse to run here).
-    pub fn for_clients(config: DexaConfig) -> anyhow::Result<Self> {
-        let (store, catalog) = open_store(&config)?;
+    pub async fn for_clients(config: DexaConfig) -> anyhow::Result<Self> {
+        let (store, catalog) = open_store(&config).await?;
         let flows: Vec<AgentSessionFlow> = config
             .agents
             .values()
@@ -258,12 +259,23 @@ impl Deployment {
 }
 
 /// The store, as the engine's storage and as the component catalog.
-fn open_store(config: &DexaConfig) -> anyhow::Result<(Arc<dyn FlowStore>, Arc<dyn CatalogStore>)> {
+async fn open_store(
+    config: &DexaConfig,
+) -> anyhow::Result<(Arc<dyn FlowStore>, Arc<dyn CatalogStore>)> {
     match &config.store {
         StoreUrl::Sqlite(path, options) => {
             let store = Arc::new(
                 SqliteStore::open(path, options.clone())
                     .with_context(|| format!("cannot open the SQLite store {}", path.display()))?,
+            );
+            Ok((store.clone(), store))
+        }
+        StoreUrl::Postgres(url) => {
+            let parsed = PostgresUrl::parse(url).map_err(|err| config.error(err))?;
+            let store = Arc::new(
+                PostgresStore::connect(parsed)
+                    .await
+                    .with_context(|| format!("cannot open the PostgreSQL store {url}"))?,
             );
             Ok((store.clone(), store))
         }

@@ -55,6 +55,7 @@ fn state_paths(config: &DexaConfig) -> StatePaths {
     let mut state = vec![config.local_dir(), config.cache_dir.clone()];
     match &config.store {
         StoreUrl::Sqlite(path, _) => state.push(path.clone()),
+        StoreUrl::Postgres(_) => {}
     }
     let mut code: Vec<PathBuf> = config.components.values().map(|c| c.path.clone()).collect();
     code.push(config.file.clone());

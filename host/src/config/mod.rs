@@ -87,6 +87,20 @@ pub struct DexaConfig {
 pub enum StoreUrl {
     /// `sqlite:PATH[?synchronous=normal|full]`.
     Sqlite(PathBuf, SqliteOptions),
+    /// `postgres://USER@HOST[:PORT]/DB[?sslmode=...]`, as written (the
+    /// password comes from the environment or a file when the store opens;
+    /// see `store::postgres::url`).
+    Postgres(String),
+}
+
+impl StoreUrl {
+    /// The store, for people: its file or its address.
+    pub fn describe(&self) -> String {
+        match self {
+            StoreUrl::Sqlite(path, _) => format!("{} (embedded SQLite)", path.display()),
+            StoreUrl::Postgres(url) => format!("{url} (PostgreSQL)"),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -358,6 +372,15 @@ impl DexaConfig {
                 base.join(".dexa").join("dexa.sqlite"),
                 SqliteOptions::default(),
             ),
+            Some(url) if is_postgres(url.get_ref()) => {
+                // Checked now, for an error at the line; the password is read
+                // when the store opens.
+                crate::store::postgres::PostgresUrl::parse_with(url.get_ref(), |_| {
+                    Some(String::new())
+                })
+                .map_err(|message| loc.at(url.span(), message))?;
+                StoreUrl::Postgres(url.get_ref().clone())
+            }
             Some(url) => parse_store_url(url.get_ref())
                 .map(|(path, options)| StoreUrl::Sqlite(resolve(&path), options))
                 .map_err(|message| loc.at(url.span(), message))?,
@@ -829,6 +852,10 @@ fn config_dir(file: &Path) -> PathBuf {
         .to_path_buf()
 }
 
+fn is_postgres(url: &str) -> bool {
+    url.starts_with("postgres://") || url.starts_with("postgresql://")
+}
+
 /// `sqlite:PATH`, `sqlite://PATH` or a bare path, with optional parameters
 /// after `?`: only `synchronous=normal|full`; any other is refused, so that
 /// a mistyped setting never silently becomes part of the file name.
@@ -861,8 +888,6 @@ fn parse_store_path(url: &str) -> Result<String, String> {
         rest
     } else if let Some(rest) = url.strip_prefix("sqlite:") {
         rest
-    } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-        return Err("this build of dexa has no PostgreSQL store; use sqlite:PATH".to_string());
     } else if url.contains("://") {
         return Err(format!(
             "store {url:?}: unknown scheme; use sqlite:PATH (for example sqlite:.dexa/dexa.sqlite)"
@@ -1065,7 +1090,9 @@ limits = { memory = "64MiB", fuel = 1_000, max_concurrent_calls = 2, output = 40
             std::fs::write(&file, format!("store = {url:?}\n"))
                 .unwrap_or_else(|err| panic!("{err}"));
             let config = DexaConfig::load(&file).unwrap_or_else(|err| panic!("{url}: {err}"));
-            let StoreUrl::Sqlite(path, options) = config.store;
+            let StoreUrl::Sqlite(path, options) = config.store else {
+                panic!("{url} is not a SQLite store");
+            };
             assert_eq!(
                 path,
                 dir.path().join("db.sqlite"),
@@ -1075,11 +1102,24 @@ limits = { memory = "64MiB", fuel = 1_000, max_concurrent_calls = 2, output = 40
         }
     }
 
+    /// A `postgres://` store is kept as written; its password is never in it.
+    #[test]
+    fn a_postgres_store_is_kept_as_written() {
+        let dir = tempfile::tempdir().unwrap_or_else(|err| panic!("{err}"));
+        let file = dir.path().join("dexa.toml");
+        let url = "postgres://dexa@db.internal:5432/dexa?sslmode=require&password_env=DEXA_DB_PW";
+        std::fs::write(&file, format!("store = {url:?}\n")).unwrap_or_else(|err| panic!("{err}"));
+        let config = DexaConfig::load(&file).unwrap_or_else(|err| panic!("{url}: {err}"));
+        assert_eq!(config.store, StoreUrl::Postgres(url.to_string()));
+        assert_eq!(config.store.describe(), format!("{url} (PostgreSQL)"));
+    }
+
     #[test]
     fn bad_configs_name_the_file_the_line_and_the_problem() {
         let cases: &[(&str, usize, &str)] = &[
             ("[agents.A]\nrunner = \"nope\"\n", 2, "there is no component \"nope\""),
-            ("store = \"postgres://db\"\n", 1, "no PostgreSQL store"),
+            ("store = \"postgres://u:pw@db/x\"\n", 1, "a password does not belong in the store address"),
+            ("store = \"postgres://db/x?sslmode=maybe\"\n", 1, "sslmode must be"),
             ("store = \"mysql://db\"\n", 1, "unknown scheme"),
             ("store = \"sqlite:db.sqlite?synchronous=fast\"\n", 1, "synchronous must be normal or full"),
             ("store = \"sqlite:db.sqlite?sync=full\"\n", 1, "unknown parameter \"sync=full\""),

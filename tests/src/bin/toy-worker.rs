@@ -1,6 +1,6 @@
 //! A worker process for the toy flows, so tests can SIGKILL it mid-Step.
 //!
-//! Usage: toy-worker <store.sqlite> <gate-dir> [lease-ms]
+//! Usage: toy-worker <store.sqlite | postgres://...> <gate-dir> [lease-ms]
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -12,12 +12,12 @@ use dexa::flow::{Worker, WorkerOptions};
 async fn main() -> std::process::ExitCode {
     let args: Vec<String> = std::env::args().collect();
     if args.len() < 3 {
-        eprintln!("usage: toy-worker <store.sqlite> <gate-dir> [lease-ms]");
+        eprintln!("usage: toy-worker <store.sqlite | postgres://...> <gate-dir> [lease-ms]");
         return std::process::ExitCode::from(2);
     }
     let lease_ms: u64 = args.get(3).and_then(|v| v.parse().ok()).unwrap_or(500);
-    let store = match dexa::store::sqlite::SqliteStore::open(&args[1], Default::default()) {
-        Ok(store) => Arc::new(store),
+    let store = match dexa::store::open_address(&args[1]).await {
+        Ok((store, _)) => store,
         Err(err) => {
             eprintln!("toy-worker: {err}");
             return std::process::ExitCode::FAILURE;

@@ -1,0 +1,184 @@
+//! Wake-ups across machines and the database's clock, on one connection of
+//! their own.
+//!
+//! - Every commit that may make work ready sends `NOTIFY` on the store's
+//!   channel (PostgreSQL coalesces them within a transaction and delivers
+//!   them at commit). This connection `LISTEN`s and wakes the process's
+//!   workers; notifications that arrive together wake them once.
+//! - The store's clock is the database's: the connection reads
+//!   `clock_timestamp()` every [`CLOCK_SYNC`], and between reads the time
+//!   advances by this machine's monotonic clock, so workers whose wall
+//!   clocks disagree still agree on every deadline, with no round trip per
+//!   transaction.
+//! - When the connection breaks (a restart, a failover) it reconnects with
+//!   a growing pause, and wakes the workers once it is back, since a
+//!   notification may have been missed meanwhile.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use tokio::sync::{mpsc, Notify};
+use tokio_postgres::AsyncMessage;
+
+use super::url::PostgresUrl;
+use crate::flow::{StoreError, StoreMillis};
+
+/// How often the clock is read from the database.
+pub const CLOCK_SYNC: Duration = Duration::from_secs(2);
+
+/// The database's clock, carried forward by the local monotonic clock.
+#[derive(Debug)]
+pub struct DbClock {
+    base: Mutex<(StoreMillis, Instant)>,
+}
+
+impl DbClock {
+    fn new(db_ms: StoreMillis, at: Instant) -> Self {
+        Self {
+            base: Mutex::new((db_ms, at)),
+        }
+    }
+
+    /// The database's time now, in milliseconds since the epoch.
+    pub fn now(&self) -> StoreMillis {
+        let (db_ms, at) = match self.base.lock() {
+            Ok(base) => *base,
+            Err(poisoned) => *poisoned.into_inner(),
+        };
+        db_ms + at.elapsed().as_millis() as i64
+    }
+
+    /// Moves the clock to a new reading, never backwards: a reading a
+    /// millisecond behind (the round trip's uncertainty) must not make a
+    /// task created "now" not yet due.
+    fn set(&self, db_ms: StoreMillis, at: Instant) {
+        let mut base = match self.base.lock() {
+            Ok(base) => base,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        let now = Instant::now();
+        let current = base.0 + now.saturating_duration_since(base.1).as_millis() as i64;
+        let read = db_ms + now.saturating_duration_since(at).as_millis() as i64;
+        *base = (current.max(read), now);
+    }
+}
+
+/// Reads the database's clock; the instant is the middle of the round trip.
+async fn read_clock(client: &tokio_postgres::Client) -> Result<(StoreMillis, Instant), StoreError> {
+    let sent = Instant::now();
+    let row = client
+        .query_one(
+            "SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint",
+            &[],
+        )
+        .await?;
+    let round_trip = sent.elapsed();
+    Ok((row.get(0), sent + round_trip / 2))
+}
+
+/// The connection a listener runs on, with its notifications.
+async fn connect(
+    url: &PostgresUrl,
+    channel: &str,
+) -> Result<(tokio_postgres::Client, mpsc::UnboundedReceiver<()>), StoreError> {
+    let tls = url.tls().map_err(StoreError::Backend)?;
+    let (client, mut connection) = url.config.connect(tls).await?;
+    let (sender, notes) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
+        while let Some(message) = messages.next().await {
+            match message {
+                Ok(AsyncMessage::Notification(_)) => {
+                    if sender.send(()).is_err() {
+                        break;
+                    }
+                }
+                Ok(_) => {}
+                Err(err) => {
+                    tracing::debug!(error = %err, "the PostgreSQL listener connection ended");
+                    break;
+                }
+            }
+        }
+    });
+    client
+        .batch_execute(&format!("LISTEN \"{channel}\""))
+        .await?;
+    Ok((client, notes))
+}
+
+/// Starts the listener; returns the clock, read once before this returns.
+pub async fn start(
+    url: PostgresUrl,
+    channel: String,
+    signal: Arc<Notify>,
+) -> Result<(Arc<DbClock>, tokio::task::JoinHandle<()>), StoreError> {
+    let (client, notes) = connect(&url, &channel).await?;
+    let (db_ms, at) = read_clock(&client).await?;
+    let clock = Arc::new(DbClock::new(db_ms, at));
+    let task = tokio::spawn(run(url, channel, signal, clock.clone(), client, notes));
+    Ok((clock, task))
+}
+
+async fn run(
+    url: PostgresUrl,
+    channel: String,
+    signal: Arc<Notify>,
+    clock: Arc<DbClock>,
+    mut client: tokio_postgres::Client,
+    mut notes: mpsc::UnboundedReceiver<()>,
+) {
+    let mut sync = tokio::time::interval(CLOCK_SYNC);
+    sync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        // Serve this connection until it breaks.
+        loop {
+            tokio::select! {
+                note = notes.recv() => {
+                    if note.is_none() {
+                        break;
+                    }
+                    // Coalesce: whatever else arrived wakes the workers once.
+                    while notes.try_recv().is_ok() {}
+                    signal.notify_waiters();
+                }
+                _ = sync.tick() => match read_clock(&client).await {
+                    Ok((db_ms, at)) => clock.set(db_ms, at),
+                    Err(err) => {
+                        tracing::debug!(error = %err, "cannot read the PostgreSQL clock");
+                        if client.is_closed() {
+                            break;
+                        }
+                    }
+                },
+            }
+        }
+        let down = Instant::now();
+        tracing::warn!("the PostgreSQL listener lost its connection; reconnecting");
+        let mut pause = Duration::from_millis(100);
+        loop {
+            tokio::time::sleep(pause).await;
+            match connect(&url, &channel).await {
+                Ok((new_client, new_notes)) => {
+                    client = new_client;
+                    notes = new_notes;
+                    break;
+                }
+                Err(err) => {
+                    tracing::debug!(error = %err, "PostgreSQL is still unavailable");
+                    pause = (pause * 2).min(Duration::from_secs(2));
+                }
+            }
+        }
+        if let Ok((db_ms, at)) = read_clock(&client).await {
+            clock.set(db_ms, at);
+        }
+        tracing::warn!(
+            after_ms = down.elapsed().as_millis() as u64,
+            "the PostgreSQL listener is back"
+        );
+        // A notification may have been sent while it was away.
+        signal.notify_waiters();
+    }
+}
