@@ -178,26 +178,43 @@ impl AgentTestStack {
         let dir = tempfile::tempdir().unwrap_or_else(|err| panic!("temp dir: {err}"));
         std::fs::create_dir_all(dir.path().join("gates"))
             .unwrap_or_else(|err| panic!("gates dir: {err}"));
-        let config = render(dir.path());
+        let mut config = render(dir.path());
+        // The session suite's backend switch: the same stack on PostgreSQL.
+        let backend = crate::session::Backend::current();
+        if backend == crate::session::Backend::Postgres {
+            let sqlite = "store = \"sqlite:store.sqlite\"";
+            assert!(
+                config.contains(sqlite),
+                "the kit's config names its store: {config}"
+            );
+            let address = crate::toy::postgres_address(dir.path());
+            config = config.replace(sqlite, &format!("store = {address:?}"));
+        }
         let config_path = dir.path().join("dexa.toml");
         std::fs::write(&config_path, &config).unwrap_or_else(|err| panic!("write config: {err}"));
         let parsed = DexaConfig::load(&config_path)
             .unwrap_or_else(|err| panic!("the kit's config is invalid: {err}\n{config}"));
-        // The kit's stores are SQLite, which holds nothing on a runtime: a
+        // A PostgreSQL store keeps its connections on the test's runtime
+        // (a multi-threaded one); SQLite holds nothing on a runtime, so a
         // runtime of its own on a thread of its own opens it from sync code,
         // inside or outside a test's runtime.
-        let deployment = std::thread::scope(|scope| {
-            scope
-                .spawn(|| {
-                    tokio::runtime::Builder::new_current_thread()
-                        .enable_all()
-                        .build()
-                        .unwrap_or_else(|err| panic!("runtime: {err}"))
-                        .block_on(Deployment::for_clients(parsed))
-                })
-                .join()
-                .unwrap_or_else(|_| panic!("opening the deployment panicked"))
-        })
+        let deployment = match backend {
+            crate::session::Backend::Postgres => tokio::task::block_in_place(|| {
+                tokio::runtime::Handle::current().block_on(Deployment::for_clients(parsed))
+            }),
+            crate::session::Backend::Sqlite => std::thread::scope(|scope| {
+                scope
+                    .spawn(|| {
+                        tokio::runtime::Builder::new_current_thread()
+                            .enable_all()
+                            .build()
+                            .unwrap_or_else(|err| panic!("runtime: {err}"))
+                            .block_on(Deployment::for_clients(parsed))
+                    })
+                    .join()
+                    .unwrap_or_else(|_| panic!("opening the deployment panicked"))
+            }),
+        }
         .unwrap_or_else(|err| panic!("deployment: {err:#}"));
         Self {
             dir,

@@ -55,7 +55,6 @@ fn entries(history: &[StepHistoryEntry], step_type: &str) -> Vec<(String, u32)> 
         .collect()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_killed_while_waiting_for_approval_is_replaced_and_the_tool_runs_once() {
     let mut stack = AgentTestStack::new(vec![agent(json!([{"steps": [
         {"tool_calls": [call("pay", "log", json!({"name": "pay"}))]},
@@ -102,7 +101,6 @@ async fn kill_during_tool(stack: &mut AgentTestStack, name: &str) -> AgentSnapsh
     wait_for_turns(&sessions, "s1", 1).await
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_read_tool_killed_mid_call_runs_again_and_its_result_is_recorded_once() {
     let mut stack = AgentTestStack::new(vec![agent(json!([{"steps": [
         {"tool_calls": [call("r", "gate", json!({"name": "r"}))]},
@@ -127,7 +125,6 @@ async fn a_read_tool_killed_mid_call_runs_again_and_its_result_is_recorded_once(
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idempotent_write_killed_mid_call_runs_again_with_the_same_idempotency_key() {
     let mut stack = AgentTestStack::new(vec![agent(json!([{"steps": [
         {"tool_calls": [call("w", "gate", json!({"name": "w"}))]},
@@ -146,7 +143,6 @@ async fn an_idempotent_write_killed_mid_call_runs_again_with_the_same_idempotenc
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_non_idempotent_write_killed_mid_call_becomes_outcome_unknown_and_never_runs_twice() {
     let mut stack = AgentTestStack::new(vec![agent(json!([{"steps": [
         {"tool_calls": [call("nw", "gate", json!({"name": "nw"}))]},
@@ -174,7 +170,6 @@ async fn a_non_idempotent_write_killed_mid_call_becomes_outcome_unknown_and_neve
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_killed_during_run_model_repeats_only_that_model_call() {
     let mut stack = AgentTestStack::new(vec![agent(json!([{"steps": [
         {"log": "model-1", "tool_calls": [call("t1", "log", json!({"name": "t1"}))]},
@@ -200,7 +195,6 @@ async fn a_worker_killed_during_run_model_repeats_only_that_model_call() {
     assert_eq!(last_text(&snapshot).as_deref(), Some("answered"));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_gates_reached_at_once_prove_two_tool_steps_run_in_parallel() {
     let mut stack = AgentTestStack::new(vec![agent(json!([{"steps": [
         {"tool_calls": [
@@ -232,7 +226,6 @@ async fn two_gates_reached_at_once_prove_two_tool_steps_run_in_parallel() {
     assert_eq!(stack.invocations().count("b"), 1);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn run_model_failing_three_times_records_the_turn_failure_note_and_the_next_turn_works() {
     let mut stack = AgentTestStack::new(vec![agent(json!([
         {"steps": [
@@ -263,7 +256,6 @@ async fn run_model_failing_three_times_records_the_turn_failure_note_and_the_nex
     assert!(snapshot.state.unwrap().last_turn_error.is_none());
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_killed_between_a_commit_and_the_next_step_loses_nothing() {
     let mut stack = AgentTestStack::new(vec![agent(json!([{"steps": [
         {"log": "model-1", "tool_calls": [call("t1", "log", json!({"name": "t1"}))]},
@@ -308,7 +300,6 @@ async fn wait_until_exited(stack: &mut AgentTestStack, index: usize) {
     panic!("worker {index} did not exit:\n{}", stack.worker_log(index));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_killed_in_await_user_message_with_messages_queued_loses_and_duplicates_none() {
     let mut stack = AgentTestStack::new(vec![agent(json!([
         {"steps": [{"tool_calls": [call("hold", "gate", json!({"name": "hold"}))]}, {"text": "one"}]},
@@ -350,7 +341,6 @@ async fn a_worker_killed_in_await_user_message_with_messages_queued_loses_and_du
 /// (the same attempt is redelivered). dexa commits the Step's "started"
 /// output before calling the tool, so that death is a lost attempt, which
 /// routes a single-attempt tool to RecordToolOutcomeUnknown.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_single_attempt_tool_never_runs_again_when_its_worker_dies_after_it_started() {
     let mut stack = AgentTestStack::new(vec![agent(json!([{"steps": [
         {"tool_calls": [
@@ -429,7 +419,6 @@ fn dexa_worker_refuses_a_bad_config_naming_the_file_and_the_line() {
 /// A single-attempt tool call that never got a sandbox (no instance free
 /// within its deadline) provably did not run: it is recorded `failed` with
 /// the reason, not `outcome_unknown`.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_single_attempt_tool_that_never_started_is_recorded_failed() {
     let holder = KitAgent::scripted(
         "Holder",
@@ -482,7 +471,6 @@ async fn a_single_attempt_tool_that_never_started_is_recorded_failed() {
 /// A runner whose sandbox cannot be set up at all (its granted directory is
 /// gone) never runs: the message goes back to the queue a few times, then is
 /// given up with the reason, instead of cycling forever.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_user_message_the_runner_never_gets_is_requeued_a_few_times_then_given_up() {
     let mut stack = AgentTestStack::new(vec![agent(json!([{"steps": [{"text": "hi"}]}]))]);
     stack.start_worker();
@@ -514,3 +502,45 @@ async fn a_user_message_the_runner_never_gets_is_requeued_a_few_times_then_given
         "4 rounds of 3 attempts, the last of each committing"
     );
 }
+
+/// Every crash test above without its own test attribute runs once per
+/// store backend: the same kills, on SQLite and on PostgreSQL.
+macro_rules! backends {
+    ($($test:ident),* $(,)?) => {
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    dexa_tests::session::BACKEND
+                        .scope(dexa_tests::session::Backend::Sqlite, super::$test())
+                        .await;
+                }
+            )*
+        }
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    dexa_tests::session::BACKEND
+                        .scope(dexa_tests::session::Backend::Postgres, super::$test())
+                        .await;
+                }
+            )*
+        }
+    };
+}
+
+backends!(
+    a_worker_killed_while_waiting_for_approval_is_replaced_and_the_tool_runs_once,
+    a_read_tool_killed_mid_call_runs_again_and_its_result_is_recorded_once,
+    an_idempotent_write_killed_mid_call_runs_again_with_the_same_idempotency_key,
+    a_non_idempotent_write_killed_mid_call_becomes_outcome_unknown_and_never_runs_twice,
+    a_worker_killed_during_run_model_repeats_only_that_model_call,
+    two_gates_reached_at_once_prove_two_tool_steps_run_in_parallel,
+    run_model_failing_three_times_records_the_turn_failure_note_and_the_next_turn_works,
+    a_worker_killed_between_a_commit_and_the_next_step_loses_nothing,
+    a_worker_killed_in_await_user_message_with_messages_queued_loses_and_duplicates_none,
+    a_single_attempt_tool_never_runs_again_when_its_worker_dies_after_it_started,
+    a_single_attempt_tool_that_never_started_is_recorded_failed,
+    a_user_message_the_runner_never_gets_is_requeued_a_few_times_then_given_up,
+);

@@ -7,6 +7,7 @@ pub mod chat;
 pub mod demo;
 pub mod serve;
 pub mod session;
+pub mod store;
 pub mod versions;
 pub mod worker;
 
@@ -55,6 +56,9 @@ pub enum Command {
     Session(session::SessionArgs),
     /// Run the Steps of every agent in dexa.toml until stopped.
     Worker(worker::WorkerArgs),
+    /// The store itself: migrate its schema.
+    #[command(subcommand)]
+    Store(store::StoreCommand),
     /// Measure the engine (build with --release for real numbers).
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -179,6 +183,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             versions::activate_command(args).await
         }
         Command::Agent(versions::AgentCommand::Rollback(args)) => versions::rollback(args).await,
+        Command::Store(command) => store::run(command).await,
         Command::Bench(BenchCommand::Engine(args)) => bench::run(args).await,
         Command::Bench(BenchCommand::Turn(args)) => bench_turn::run(args).await,
         Command::Bench(BenchCommand::Swap(args)) => bench_swap::run(args).await,

@@ -59,9 +59,12 @@ impl PostgresUrl {
 
     /// [`Self::parse`] with the environment given (for tests).
     pub fn parse_with(text: &str, env: impl Fn(&str) -> Option<String>) -> Result<Self, String> {
+        // Every error shows the address with any password masked.
+        let shown = redact(text);
+        let shown = shown.as_str();
         if !(text.starts_with("postgres://") || text.starts_with("postgresql://")) {
             return Err(format!(
-                "store {text:?}: a PostgreSQL store starts with postgres://"
+                "store {shown:?}: a PostgreSQL store starts with postgres://"
             ));
         }
         let (base, query) = match text.split_once('?') {
@@ -74,15 +77,15 @@ impl PostgresUrl {
         for pair in query.split('&').filter(|p| !p.is_empty()) {
             let (key, value) = pair
                 .split_once('=')
-                .ok_or_else(|| format!("store {text:?}: parameter {pair:?} has no value"))?;
+                .ok_or_else(|| format!("store {shown:?}: parameter {pair:?} has no value"))?;
             if key == "password" {
-                return Err(password_refused(text));
+                return Err(password_refused(shown));
             }
             if key == "sslmode" {
                 sslmode = Some(value.to_string());
             } else if OWN_KEYS.contains(&key) {
                 if own.insert(key, value.to_string()).is_some() {
-                    return Err(format!("store {text:?}: {key} is given twice"));
+                    return Err(format!("store {shown:?}: {key} is given twice"));
                 }
             } else {
                 passed.push(pair);
@@ -103,7 +106,7 @@ impl PostgresUrl {
             },
             Some(other) => {
                 return Err(format!(
-                    "store {text:?}: sslmode must be disable, prefer, require or verify-full, not {other:?}"
+                    "store {shown:?}: sslmode must be disable, prefer, require or verify-full, not {other:?}"
                 ))
             }
         };
@@ -120,12 +123,12 @@ impl PostgresUrl {
         let mut config =
             tokio_postgres::Config::from_str(&handed).map_err(
                 |err| match std::error::Error::source(&err) {
-                    Some(source) => format!("store {text:?}: {err}: {source}"),
-                    None => format!("store {text:?}: {err}"),
+                    Some(source) => format!("store {shown:?}: {err}: {source}"),
+                    None => format!("store {shown:?}: {err}"),
                 },
             )?;
         if config.get_password().is_some() {
-            return Err(password_refused(text));
+            return Err(password_refused(shown));
         }
         config.ssl_mode(mode);
         if config.get_connect_timeout().is_none() {
@@ -139,7 +142,7 @@ impl PostgresUrl {
                 .parse::<usize>()
                 .ok()
                 .filter(|n| (1..=1024).contains(n))
-                .ok_or_else(|| format!("store {text:?}: pool_size must be 1 to 1024"))?,
+                .ok_or_else(|| format!("store {shown:?}: pool_size must be 1 to 1024"))?,
             None => 16,
         };
         let schema = own.get("schema").cloned();
@@ -152,7 +155,7 @@ impl PostgresUrl {
                 && !schema.starts_with(|c: char| c.is_ascii_digit());
             if !plain {
                 return Err(format!(
-                    "store {text:?}: schema must be 1 to 48 lowercase letters, digits or '_'"
+                    "store {shown:?}: schema must be 1 to 48 lowercase letters, digits or '_'"
                 ));
             }
             config.options(format!("-c search_path={schema}"));
@@ -160,13 +163,13 @@ impl PostgresUrl {
         let password_source = match (own.get("password_env"), own.get("password_file")) {
             (Some(_), Some(_)) => {
                 return Err(format!(
-                    "store {text:?}: give password_env or password_file, not both"
+                    "store {shown:?}: give password_env or password_file, not both"
                 ))
             }
             (Some(name), None) => {
                 let value = env(name).ok_or_else(|| {
                     format!(
-                        "store {text:?}: the environment variable {name} (password_env) is not set"
+                        "store {shown:?}: the environment variable {name} (password_env) is not set"
                     )
                 })?;
                 config.password(value);
@@ -174,7 +177,7 @@ impl PostgresUrl {
             }
             (None, Some(path)) => {
                 let value = std::fs::read_to_string(path).map_err(|err| {
-                    format!("store {text:?}: cannot read the password file {path}: {err}")
+                    format!("store {shown:?}: cannot read the password file {path}: {err}")
                 })?;
                 config.password(value.trim_end_matches(['\n', '\r']));
                 Some(path.clone())
@@ -227,6 +230,38 @@ impl PostgresUrl {
             }
         };
         Ok(tokio_postgres_rustls::MakeRustlsConnect::new(config))
+    }
+}
+
+/// `text` with the password of its user part and any `password=` value
+/// replaced by `***`.
+pub fn redact(text: &str) -> String {
+    let (base, query) = match text.split_once('?') {
+        Some((base, query)) => (base, Some(query)),
+        None => (text, None),
+    };
+    let base = match base.split_once("://") {
+        Some((scheme, rest)) => match rest.split_once('@') {
+            Some((user, host)) => match user.split_once(':') {
+                Some((name, _)) => format!("{scheme}://{name}:***@{host}"),
+                None => base.to_string(),
+            },
+            None => base.to_string(),
+        },
+        None => base.to_string(),
+    };
+    match query {
+        Some(query) => {
+            let pairs: Vec<String> = query
+                .split('&')
+                .map(|pair| match pair.split_once('=') {
+                    Some(("password", _)) => "password=***".to_string(),
+                    _ => pair.to_string(),
+                })
+                .collect();
+            format!("{base}?{}", pairs.join("&"))
+        }
+        None => base,
     }
 }
 

@@ -1,0 +1,133 @@
+//! What only the PostgreSQL backend has: a schema version that `dexa store
+//! migrate` applies and that an older dexa refuses, and addresses whose
+//! password never sits in them. The engine's and the sessions' behaviour on
+//! PostgreSQL is checked by the same suites as SQLite's (`backends!` in
+//! `flow_conformance`, `catalog_conformance`, `session` and `crash`).
+
+use std::process::Command;
+
+use dexa::store::postgres::schema::SCHEMA_VERSION;
+use dexa::store::postgres::{PostgresStore, PostgresUrl};
+use dexa_tests::kit::dexa_binary;
+use dexa_tests::toy::{postgres_address, test_postgres_url};
+
+/// A plain client on the test server, for what the store never does itself.
+async fn raw_client() -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(&test_postgres_url(), tokio_postgres::NoTls)
+        .await
+        .unwrap_or_else(|err| panic!("connect: {err}"));
+    tokio::spawn(connection);
+    client
+}
+
+fn schema_of(address: &str) -> String {
+    address
+        .rsplit_once("schema=")
+        .map(|(_, schema)| schema.to_string())
+        .unwrap_or_else(|| panic!("{address} names no schema"))
+}
+
+fn migrate(address: &str) -> (bool, String) {
+    let output = Command::new(dexa_binary())
+        .args(["store", "migrate", address])
+        .output()
+        .unwrap_or_else(|err| panic!("run dexa: {err}"));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    (output.status.success(), text)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dexa_store_migrate_creates_the_schema_once_and_then_finds_it_current() {
+    let dir = tempfile::tempdir().unwrap_or_else(|err| panic!("{err}"));
+    let address = postgres_address(dir.path());
+    let (ok, first) = migrate(&address);
+    assert!(ok, "{first}");
+    assert!(
+        first.contains(&format!("created schema {SCHEMA_VERSION}")),
+        "{first}"
+    );
+    let (ok, again) = migrate(&address);
+    assert!(ok, "{again}");
+    assert!(again.contains("up to date"), "{again}");
+    let version: i64 = raw_client()
+        .await
+        .query_one(
+            &format!("SELECT version FROM {}.dexa_schema", schema_of(&address)),
+            &[],
+        )
+        .await
+        .unwrap_or_else(|err| panic!("{err}"))
+        .get(0);
+    assert_eq!(version, SCHEMA_VERSION);
+    let url = PostgresUrl::parse(&address).unwrap_or_else(|err| panic!("{err}"));
+    PostgresStore::connect(url)
+        .await
+        .unwrap_or_else(|err| panic!("a migrated store opens: {err}"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_schema_newer_than_this_dexa_is_refused_naming_both_versions() {
+    let dir = tempfile::tempdir().unwrap_or_else(|err| panic!("{err}"));
+    let address = postgres_address(dir.path());
+    let url = PostgresUrl::parse(&address).unwrap_or_else(|err| panic!("{err}"));
+    drop(
+        PostgresStore::connect(url.clone())
+            .await
+            .unwrap_or_else(|err| panic!("{err}")),
+    );
+    raw_client()
+        .await
+        .execute(
+            &format!(
+                "UPDATE {}.dexa_schema SET version = 99",
+                schema_of(&address)
+            ),
+            &[],
+        )
+        .await
+        .unwrap_or_else(|err| panic!("{err}"));
+    let refused = PostgresStore::connect(url)
+        .await
+        .map(|_| ())
+        .map_err(|err| err.to_string());
+    let expected = format!("schema 99, this one knows {SCHEMA_VERSION}");
+    assert!(
+        refused.as_ref().is_err_and(|err| err.contains(&expected)),
+        "{refused:?}"
+    );
+    let (ok, text) = migrate(&address);
+    assert!(
+        !ok && text.contains(&expected),
+        "migrate must refuse too: {text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_address_with_a_password_is_refused_and_the_password_comes_from_the_environment() {
+    let dir = tempfile::tempdir().unwrap_or_else(|err| panic!("{err}"));
+    let address = postgres_address(dir.path());
+    let with_password = address.replacen("://dexa@", "://dexa:hunter2@", 1);
+    let (ok, text) = migrate(&with_password);
+    assert!(!ok, "{text}");
+    assert!(
+        text.contains("does not belong in the store address"),
+        "{text}"
+    );
+    assert!(
+        !text.contains("hunter2"),
+        "the refusal must not echo the password: {text}"
+    );
+    // The test server trusts loopback, so any password works: what counts
+    // is that a named variable that is not set is an error, not a silent
+    // connection without one.
+    let (ok, text) = migrate(&format!("{address}&password_env=DEXA_TEST_UNSET_PASSWORD"));
+    assert!(!ok, "{text}");
+    assert!(
+        text.contains("DEXA_TEST_UNSET_PASSWORD (password_env) is not set"),
+        "{text}"
+    );
+}
