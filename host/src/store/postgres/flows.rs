@@ -25,6 +25,9 @@ pub(super) async fn create_flow<C: GenericClient>(
     flow_type: &str,
     first: &NewTask,
 ) -> TxResult<()> {
+    // An RPC on a flow not created yet locks its name (there is no row to
+    // lock): the two apply one after the other.
+    super::tasks::lock_flow_or_its_name(tx, flow_id).await?;
     let inserted = execute(
         tx,
         "INSERT INTO flows (flow_id, flow_type, status, created_at_ms, updated_at_ms)

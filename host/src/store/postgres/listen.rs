@@ -14,6 +14,7 @@
 //!   a growing pause, and wakes the workers once it is back, since a
 //!   notification may have been missed meanwhile.
 
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -28,15 +29,22 @@ use crate::flow::{StoreError, StoreMillis};
 pub const CLOCK_SYNC: Duration = Duration::from_secs(2);
 
 /// The database's clock, carried forward by the local monotonic clock.
+///
+/// Each reading replaces the base, so an error never accumulates (a local
+/// clock that runs fast, a failover to a server whose clock is behind);
+/// what this process hands out still never goes backwards (`floor`), so a
+/// task created "now" is never not yet due a moment later.
 #[derive(Debug)]
 pub struct DbClock {
     base: Mutex<(StoreMillis, Instant)>,
+    floor: AtomicI64,
 }
 
 impl DbClock {
     fn new(db_ms: StoreMillis, at: Instant) -> Self {
         Self {
             base: Mutex::new((db_ms, at)),
+            floor: AtomicI64::new(db_ms),
         }
     }
 
@@ -46,21 +54,18 @@ impl DbClock {
             Ok(base) => *base,
             Err(poisoned) => *poisoned.into_inner(),
         };
-        db_ms + at.elapsed().as_millis() as i64
+        let estimate = db_ms + at.elapsed().as_millis() as i64;
+        let floor = self.floor.fetch_max(estimate, Ordering::AcqRel);
+        floor.max(estimate)
     }
 
-    /// Moves the clock to a new reading, never backwards: a reading a
-    /// millisecond behind (the round trip's uncertainty) must not make a
-    /// task created "now" not yet due.
+    /// Takes a new reading as the base.
     fn set(&self, db_ms: StoreMillis, at: Instant) {
         let mut base = match self.base.lock() {
             Ok(base) => base,
             Err(poisoned) => poisoned.into_inner(),
         };
-        let now = Instant::now();
-        let current = base.0 + now.saturating_duration_since(base.1).as_millis() as i64;
-        let read = db_ms + now.saturating_duration_since(at).as_millis() as i64;
-        *base = (current.max(read), now);
+        *base = (db_ms, at);
     }
 }
 
@@ -143,14 +148,17 @@ async fn run(
                     while notes.try_recv().is_ok() {}
                     signal.notify_waiters();
                 }
-                _ = sync.tick() => match read_clock(&client).await {
-                    Ok((db_ms, at)) => clock.set(db_ms, at),
-                    Err(err) => {
+                // Bounded: a connection that went quiet (half-open TCP) is
+                // replaced rather than waited on.
+                _ = sync.tick() => match tokio::time::timeout(CLOCK_SYNC * 3, read_clock(&client)).await {
+                    Ok(Ok((db_ms, at))) => clock.set(db_ms, at),
+                    Ok(Err(err)) => {
                         tracing::debug!(error = %err, "cannot read the PostgreSQL clock");
                         if client.is_closed() {
                             break;
                         }
                     }
+                    Err(_) => break,
                 },
             }
         }

@@ -306,8 +306,9 @@ impl FlowStore for PostgresStore {
     ) -> Result<(), StoreError> {
         let payloads = &payloads;
         in_tx!(self, false, |tx, now| {
-            tasks::record_output(&tx, now, task_id, lease_token).await?;
+            // The stream's row before the task's, the order of commits.
             streams::append_fitting(&tx, now, flow_id, stream, payloads).await?;
+            tasks::record_output(&tx, now, task_id, lease_token).await?;
         })
     }
 
@@ -528,7 +529,7 @@ impl PostgresStore {
             .map_err(db)?;
             if !read_only {
                 handle
-                    .block_on(tasks::lock_flow(&tx, &flow_id))
+                    .block_on(tasks::lock_flow_or_its_name(&tx, &flow_id))
                     .map_err(TxError::into_error)?;
             }
             let now = store.clock_now();

@@ -39,12 +39,14 @@ impl From<deadpool_postgres::PoolError> for StoreError {
 }
 
 /// Whether a failed transaction may simply run again: it was chosen as a
-/// deadlock's victim or failed a serialization check, and rolled back.
+/// deadlock's victim, failed a serialization check or waited out
+/// `lock_timeout`, and rolled back.
 pub(super) fn retryable(err: &tokio_postgres::Error) -> bool {
     matches!(
         err.code(),
         Some(code) if *code == SqlState::T_R_DEADLOCK_DETECTED
             || *code == SqlState::T_R_SERIALIZATION_FAILURE
+            || *code == SqlState::LOCK_NOT_AVAILABLE
     )
 }
 

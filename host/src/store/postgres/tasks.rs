@@ -33,6 +33,20 @@ pub(super) async fn lock_flow<C: GenericClient>(tx: &C, flow_id: &str) -> TxResu
     Ok(row.map(|row| row.get(0)))
 }
 
+/// [`lock_flow`], or, for a flow that does not exist (yet), a
+/// transaction-scoped lock on its name, which `create_flow` takes too.
+pub(super) async fn lock_flow_or_its_name<C: GenericClient>(tx: &C, flow_id: &str) -> TxResult<()> {
+    if lock_flow(tx, flow_id).await?.is_none() {
+        execute(
+            tx,
+            "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))",
+            &[&flow_id],
+        )
+        .await?;
+    }
+    Ok(())
+}
+
 /// Inserts a task; a task whose channel condition already holds is ready.
 pub(super) async fn insert_task<C: GenericClient>(
     tx: &C,
@@ -254,13 +268,15 @@ pub(super) async fn claim<C: GenericClient>(
     lease_ms: i64,
 ) -> TxResult<Vec<ClaimedTask>> {
     let window = max.saturating_mul(4).max(FAIR_CLAIM_WINDOW) as i64;
-    let max = max as i64;
+    // More candidates than it takes: one whose flow is busy is passed over
+    // for the next, not allowed to leave the claim empty.
+    let fetch = max.saturating_mul(4).max(4) as i64;
     let candidates = match scope {
         ClaimScope::FlowTypes(flow_types) => {
             query(
                 tx,
                 &claim_sql("flow_type = ANY($1)"),
-                &[&flow_types, &now, &window, &max],
+                &[&flow_types, &now, &window, &fetch],
             )
             .await?
         }
@@ -273,13 +289,16 @@ pub(super) async fn claim<C: GenericClient>(
                     "flow_id = $1 AND NOT EXISTS (SELECT 1 FROM tasks AS l
                         WHERE l.flow_id = t.flow_id AND l.state = 'leased')",
                 ),
-                &[&flow_id, &now, &window, &max],
+                &[&flow_id, &now, &window, &fetch],
             )
             .await?
         }
     };
     let mut ids = Vec::with_capacity(candidates.len());
     for row in &candidates {
+        if ids.len() >= max {
+            break;
+        }
         let (task_id, flow_id, has_locks): (i64, String, bool) =
             (row.get(0), row.get(1), row.get(2));
         if has_locks {
@@ -417,6 +436,12 @@ pub(super) async fn commit_step<C: GenericClient>(
         }
         .into());
     };
+    if commit.complete_flow {
+        // First, before any stream or channel row is locked: the flow's other
+        // tasks go while this transaction holds nothing another writer waits
+        // on.
+        drop_tasks(tx, flow_id).await?;
+    }
     for message_id in &commit.consumed {
         let deleted = execute(
             tx,
@@ -441,9 +466,7 @@ pub(super) async fn commit_step<C: GenericClient>(
         &[&commit.task_id],
     )
     .await?;
-    if commit.complete_flow {
-        drop_tasks(tx, flow_id).await?;
-    } else {
+    if !commit.complete_flow {
         for task in &commit.next {
             insert_task(tx, flow_id, &flow_type, task).await?;
         }

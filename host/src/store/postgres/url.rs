@@ -158,8 +158,18 @@ impl PostgresUrl {
                     "store {shown:?}: schema must be 1 to 48 lowercase letters, digits or '_'"
                 ));
             }
-            config.options(format!("-c search_path={schema}"));
         }
+        // A transaction left open by a process that stopped (a machine cut
+        // off mid-commit) would hold its flow's lock for as long as TCP
+        // takes to notice: the server ends it after a minute instead, and a
+        // lock wait gives up (and retries) after ten seconds.
+        let mut options =
+            "-c idle_in_transaction_session_timeout=60000 -c lock_timeout=10000".to_string();
+        if let Some(schema) = &schema {
+            options.push_str(&format!(" -c search_path={schema}"));
+        }
+        config.options(options);
+        config.keepalives_idle(std::time::Duration::from_secs(30));
         let password_source = match (own.get("password_env"), own.get("password_file")) {
             (Some(_), Some(_)) => {
                 return Err(format!(
