@@ -6,10 +6,16 @@
 
 use std::process::Command;
 
+use dexa::config::{Deployment, DexaConfig};
+use dexa::session::{ResolveInterruptRequest, ToolEffect};
 use dexa::store::postgres::schema::SCHEMA_VERSION;
 use dexa::store::postgres::{PostgresStore, PostgresUrl};
-use dexa_tests::kit::dexa_binary;
+use dexa_tests::kit::{
+    dexa_binary, wait_for_agent_snapshot, wait_for_turns, AgentTestStack, KitAgent,
+};
+use dexa_tests::session::last_text;
 use dexa_tests::toy::{postgres_address, test_postgres_url};
+use serde_json::json;
 
 /// A plain client on the test server, for what the store never does itself.
 async fn raw_client() -> tokio_postgres::Client {
@@ -28,8 +34,13 @@ fn schema_of(address: &str) -> String {
 }
 
 fn migrate(address: &str) -> (bool, String) {
+    dexa(&["store", "migrate", address])
+}
+
+/// Runs `dexa ARGS`: (success, stdout and stderr).
+fn dexa(args: &[&str]) -> (bool, String) {
     let output = Command::new(dexa_binary())
-        .args(["store", "migrate", address])
+        .args(args)
         .output()
         .unwrap_or_else(|err| panic!("run dexa: {err}"));
     let text = format!(
@@ -129,5 +140,106 @@ async fn a_store_address_with_a_password_is_refused_and_the_password_comes_from_
     assert!(
         text.contains("DEXA_TEST_UNSET_PASSWORD (password_env) is not set"),
         "{text}"
+    );
+}
+
+/// A stopped SQLite deployment, copied with `dexa store copy`, carries on
+/// on PostgreSQL: a session waiting for an approval and a session whose
+/// tool was running when its worker died both finish there, the write
+/// once. A second copy into the now non-empty target is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sqlite_deployment_copied_to_postgres_carries_on_its_open_sessions() {
+    let approve = KitAgent::scripted(
+        "Approve",
+        json!({"turns": [{"steps": [
+            {"tool_calls": [{"id": "pay", "name": "log", "arguments": {"name": "pay"}}]},
+            {"text": "paid"}
+        ]}]}),
+    )
+    .tool("gate-tool")
+    .policy("log", ToolEffect::NonIdempotentWrite, None);
+    let gated = KitAgent::scripted(
+        "Gated",
+        json!({"turns": [{"steps": [
+            {"tool_calls": [{"id": "r", "name": "gate", "arguments": {"name": "r"}}]},
+            {"text": "read it"}
+        ]}]}),
+    )
+    .tool("gate-tool")
+    .policy("gate", ToolEffect::Read, None);
+    let mut stack = AgentTestStack::new(vec![approve, gated]);
+    let worker = stack.start_worker();
+    let on_sqlite = stack.sessions("Approve");
+    on_sqlite.start_session("a", "pay it").await.unwrap();
+    let interrupt = wait_for_agent_snapshot(&on_sqlite, "a", "the approval", |s| {
+        s.pending_interrupts.first().cloned()
+    })
+    .await;
+    stack
+        .sessions("Gated")
+        .start_session("b", "read")
+        .await
+        .unwrap();
+    stack.gate("r").wait_until_reached().await;
+    // The deployment stops, hard, mid-tool.
+    stack.kill_worker(worker);
+
+    let address = postgres_address(stack.dir.path());
+    let sqlite = format!("sqlite:{}", stack.dir.path().join("store.sqlite").display());
+    let (ok, text) = dexa(&["store", "copy", &sqlite, &address]);
+    assert!(ok, "{text}");
+    assert!(text.contains("every table's count matches"), "{text}");
+    let (ok, again) = dexa(&["store", "copy", &sqlite, &address]);
+    assert!(!ok, "a second copy must be refused: {again}");
+    assert!(
+        again.contains("not empty") && again.contains("--replace"),
+        "{again}"
+    );
+
+    // The same deployment, now on PostgreSQL.
+    let config = std::fs::read_to_string(&stack.config_path).unwrap();
+    let moved = config.replace(
+        "store = \"sqlite:store.sqlite\"",
+        &format!("store = {address:?}"),
+    );
+    assert_ne!(config, moved, "the kit's config names its SQLite store");
+    std::fs::write(&stack.config_path, moved).unwrap();
+    let deployment = Deployment::for_clients(DexaConfig::load(&stack.config_path).unwrap())
+        .await
+        .unwrap_or_else(|err| panic!("{err:#}"));
+    let approving = deployment.sessions("Approve").unwrap();
+    let reading = deployment.sessions("Gated").unwrap();
+    let waiting = approving.get_agent_snapshot("a").await.unwrap();
+    assert_eq!(
+        waiting.pending_interrupts.len(),
+        1,
+        "the approval moved with the session"
+    );
+    stack.gate("r").release();
+    stack.start_worker();
+    assert!(approving
+        .resolve_interrupt(
+            "a",
+            ResolveInterruptRequest {
+                interrupt_id: interrupt.interrupt_id.clone(),
+                approved: true,
+                rejection_message: None,
+            },
+        )
+        .await
+        .unwrap());
+    let paid = wait_for_turns(&approving, "a", 1).await;
+    assert_eq!(last_text(&paid).as_deref(), Some("paid"));
+    let read = wait_for_turns(&reading, "b", 1).await;
+    assert_eq!(last_text(&read).as_deref(), Some("read it"));
+    assert_eq!(
+        stack.invocations().keys("pay"),
+        vec!["a/turn-1/pay"],
+        "the approved write ran once, on PostgreSQL"
+    );
+    assert_eq!(
+        stack.invocations().count("r"),
+        2,
+        "the read that died ran again"
     );
 }

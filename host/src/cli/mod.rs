@@ -56,7 +56,7 @@ pub enum Command {
     Session(session::SessionArgs),
     /// Run the Steps of every agent in dexa.toml until stopped.
     Worker(worker::WorkerArgs),
-    /// The store itself: migrate its schema.
+    /// The store itself: migrate its schema, copy SQLite into PostgreSQL.
     #[command(subcommand)]
     Store(store::StoreCommand),
     /// Measure the engine (build with --release for real numbers).

@@ -1,4 +1,5 @@
-//! `dexa store`: operations on the store itself.
+//! `dexa store`: operations on the store itself: migrate its schema, copy
+//! a SQLite deployment into PostgreSQL.
 
 use std::path::PathBuf;
 
@@ -13,6 +14,22 @@ pub enum StoreCommand {
     /// migrates itself when opened). Safe to run again, and from several
     /// machines at once.
     Migrate(MigrateArgs),
+    /// Copy a stopped SQLite deployment into a PostgreSQL store: every
+    /// session with its state, messages, events, history, timers and leases,
+    /// and the component catalog. Refuses a non-empty target unless
+    /// --replace; checks every table's row count at the end.
+    Copy(CopyArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct CopyArgs {
+    /// The source: sqlite:PATH (or a bare path). Stop its workers first.
+    pub from: String,
+    /// The target: postgres://...
+    pub to: String,
+    /// Empty a non-empty target first (everything in it is lost).
+    #[arg(long)]
+    pub replace: bool,
 }
 
 #[derive(Args, Debug)]
@@ -27,7 +44,40 @@ pub struct MigrateArgs {
 pub async fn run(command: StoreCommand) -> anyhow::Result<()> {
     match command {
         StoreCommand::Migrate(args) => migrate(args).await,
+        StoreCommand::Copy(args) => copy(args).await,
     }
+}
+
+async fn copy(args: CopyArgs) -> anyhow::Result<()> {
+    let source = args
+        .from
+        .strip_prefix("sqlite://")
+        .or_else(|| args.from.strip_prefix("sqlite:"))
+        .unwrap_or(&args.from);
+    if source.contains("://") {
+        anyhow::bail!(
+            "{}: the source must be a SQLite store (sqlite:PATH)",
+            args.from
+        );
+    }
+    if !(args.to.starts_with("postgres://") || args.to.starts_with("postgresql://")) {
+        anyhow::bail!("{}: the target must be a postgres:// store", args.to);
+    }
+    let target = PostgresUrl::parse(&args.to).map_err(anyhow::Error::msg)?;
+    eprintln!("copying {source} into {}", args.to);
+    let report = crate::store::copy::sqlite_to_postgres(
+        std::path::Path::new(source),
+        target,
+        args.replace,
+        &|table, rows| eprintln!("  {table}: {rows} rows"),
+    )
+    .await?;
+    let total: u64 = report.tables.iter().map(|(_, rows)| rows).sum();
+    println!(
+        "copied {total} rows in {} tables; every table's count matches",
+        report.tables.len()
+    );
+    Ok(())
 }
 
 async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {

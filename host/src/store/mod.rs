@@ -2,6 +2,7 @@
 //! [`crate::flow::FlowStore`] and passes the same conformance suite
 //! (`tests/tests/flow_conformance.rs`).
 
+pub mod copy;
 pub mod postgres;
 pub(crate) mod rows;
 pub mod sqlite;

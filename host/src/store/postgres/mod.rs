@@ -17,6 +17,7 @@ mod catalog;
 mod flows;
 mod history;
 mod listen;
+mod load;
 mod rpc;
 pub mod schema;
 mod sql;

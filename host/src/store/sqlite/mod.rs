@@ -18,6 +18,7 @@
 
 mod catalog;
 mod connection;
+mod dump;
 mod flows;
 mod history;
 mod rpc;
