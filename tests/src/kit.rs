@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use dexa::config::{Deployment, DexaConfig};
+use dexa::config::{Deployment, DexaConfig, StoreUrl};
 use dexa::flow::StepHistoryEntry;
 use dexa::session::{AgentSessionClient, ToolEffect};
 use serde_json::{json, Value};
@@ -198,11 +198,11 @@ impl AgentTestStack {
         // (a multi-threaded one); SQLite holds nothing on a runtime, so a
         // runtime of its own on a thread of its own opens it from sync code,
         // inside or outside a test's runtime.
-        let deployment = match backend {
-            crate::session::Backend::Postgres => tokio::task::block_in_place(|| {
+        let deployment = match parsed.store {
+            StoreUrl::Postgres(_) => tokio::task::block_in_place(|| {
                 tokio::runtime::Handle::current().block_on(Deployment::for_clients(parsed))
             }),
-            crate::session::Backend::Sqlite => std::thread::scope(|scope| {
+            StoreUrl::Sqlite(..) => std::thread::scope(|scope| {
                 scope
                     .spawn(|| {
                         tokio::runtime::Builder::new_current_thread()
