@@ -100,6 +100,11 @@ async fn serve(stack: &AgentTestStack) -> Serve {
         .stderr(out)
         .spawn()
         .unwrap_or_else(|err| panic!("dexa serve: {err}"));
+    // Owned at once, so that a panic below still kills and reaps it.
+    let mut server = Serve {
+        child,
+        address: SocketAddr::from(([127, 0, 0, 1], 0)),
+    };
     let started = Instant::now();
     loop {
         let printed = std::fs::read_to_string(&log).unwrap_or_default();
@@ -109,7 +114,8 @@ async fn serve(stack: &AgentTestStack) -> Serve {
             .and_then(|rest| rest.split_whitespace().next())
             .and_then(|address| address.parse().ok())
         {
-            return Serve { child, address };
+            server.address = address;
+            return server;
         }
         assert!(
             started.elapsed() < Duration::from_secs(60),
