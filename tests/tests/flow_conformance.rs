@@ -1055,15 +1055,17 @@ async fn a_killed_worker_process_mid_step(factory: &dyn StoreFactory) {
             .await
             .expect("start");
         let gate = dir.join(format!("{flow}-attempt-1.reached"));
-        wait_until("the gate", PATIENCE, || {
+        // The Step creates the file, then writes its pid: wait for the pid.
+        let reached_by = wait_until("the gate", PATIENCE, || {
             let gate = gate.clone();
-            async move { gate.exists().then_some(()) }
+            async move {
+                std::fs::read_to_string(&gate)
+                    .ok()
+                    .filter(|pid| !pid.is_empty())
+            }
         })
         .await;
-        assert_eq!(
-            std::fs::read_to_string(&gate).expect("gate"),
-            first.id().to_string()
-        );
+        assert_eq!(reached_by, first.id().to_string());
         first.kill();
         // A redelivery reaches the same gate again; clear it to see the rerun.
         std::fs::remove_file(&gate).expect("clear gate");
@@ -1071,15 +1073,16 @@ async fn a_killed_worker_process_mid_step(factory: &dyn StoreFactory) {
         let mut second = spawn_worker_process(&store_path, &dir);
         let rerun = dir.join(format!("{flow}-attempt-{rerun_attempt}.reached"));
         let rerun_gate = rerun.clone();
-        wait_until("the rerun", PATIENCE, || {
+        let rerun_by = wait_until("the rerun", PATIENCE, || {
             let rerun = rerun_gate.clone();
-            async move { rerun.exists().then_some(()) }
+            async move {
+                std::fs::read_to_string(&rerun)
+                    .ok()
+                    .filter(|pid| !pid.is_empty())
+            }
         })
         .await;
-        assert_eq!(
-            std::fs::read_to_string(&rerun).expect("gate"),
-            second.id().to_string()
-        );
+        assert_eq!(rerun_by, second.id().to_string());
         std::fs::write(dir.join(format!("{flow}.release")), "go").expect("release");
         stack.wait_status(flow, FlowStatus::Completed).await;
         let history = events(&stack.history(flow).await, "Work");

@@ -5,6 +5,7 @@
 //! `flow_conformance`, `catalog_conformance`, `session` and `crash`).
 
 use std::process::Command;
+use std::time::{Duration, Instant};
 
 use dexa::config::{Deployment, DexaConfig};
 use dexa::session::{ResolveInterruptRequest, ToolEffect};
@@ -242,4 +243,68 @@ async fn a_sqlite_deployment_copied_to_postgres_carries_on_its_open_sessions() {
         2,
         "the read that died ran again"
     );
+}
+
+/// Two store handles stand for two machines. An append made through one
+/// wakes a stream reader waiting on the other, through `LISTEN`/`NOTIFY`:
+/// nothing on the reader's side reads the store in between, so no poll can
+/// be what woke it. Likewise a commit that makes work ready wakes the other
+/// side's workers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_on_one_machine_wakes_waiters_on_another_without_polling() {
+    use dexa::flow::{FlowStore, NewTask, RetryPolicy};
+    let dir = tempfile::tempdir().unwrap_or_else(|err| panic!("{err}"));
+    let address = postgres_address(dir.path());
+    let open = || async {
+        let url = PostgresUrl::parse(&address).unwrap_or_else(|err| panic!("{err}"));
+        PostgresStore::connect(url)
+            .await
+            .unwrap_or_else(|err| panic!("{err}"))
+    };
+    let (machine_a, machine_b) = (open().await, open().await);
+
+    let signal = machine_b
+        .stream_signal("f")
+        .expect("PostgreSQL pushes stream appends");
+    let appended = signal.notified();
+    tokio::pin!(appended);
+    appended.as_mut().enable();
+    let work = machine_b.work_signal();
+    let ready = work.notified();
+    tokio::pin!(ready);
+    ready.as_mut().enable();
+
+    let started = Instant::now();
+    machine_a
+        .append_stream("f", "events", vec![json!({"n": 1})])
+        .await
+        .unwrap_or_else(|err| panic!("{err}"));
+    tokio::time::timeout(Duration::from_secs(5), appended)
+        .await
+        .expect("the reader on the other machine was woken");
+    let stream_wake = started.elapsed();
+
+    let started = Instant::now();
+    machine_a
+        .create_flow(
+            "f",
+            "Toy",
+            NewTask {
+                step_type: "Start".into(),
+                input: json!({}),
+                wait: None,
+                policy: RetryPolicy::default(),
+                failure_route: None,
+                failure: None,
+                locks: Vec::new(),
+                not_before: 0,
+            },
+        )
+        .await
+        .unwrap_or_else(|err| panic!("{err}"));
+    tokio::time::timeout(Duration::from_secs(5), ready)
+        .await
+        .expect("the workers on the other machine were woken");
+    let work_wake = started.elapsed();
+    eprintln!("woken across machines: stream {stream_wake:?}, work {work_wake:?}");
 }

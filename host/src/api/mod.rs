@@ -40,6 +40,9 @@ use crate::session::{
 
 /// How often an SSE stream looks for new events (other processes write them).
 const EVENT_POLL: Duration = Duration::from_millis(50);
+/// How long an event stream whose store pushes appends waits without one
+/// before it reads anyway.
+const EVENT_PUSH_FALLBACK: Duration = Duration::from_secs(2);
 /// Longest accepted session id.
 const MAX_SESSION_ID: usize = 200;
 /// The largest request body, in bytes; a larger one gets a typed 413
@@ -481,6 +484,14 @@ async fn events(
                         .unwrap_or_else(|_| Event::default().comment("unencodable event"));
                     return Some((Ok(sse), (sessions, session_id, after, buffered)));
                 }
+                // Armed before the read, so that an append between the read
+                // and the wait still wakes it.
+                let signal = sessions.event_signal(&session_id);
+                let notified = signal.as_ref().map(|signal| signal.notified());
+                tokio::pin!(notified);
+                if let Some(notified) = notified.as_mut().as_pin_mut() {
+                    notified.enable();
+                }
                 match sessions.read_events(&session_id, after, 200).await {
                     Ok((page, _)) if !page.is_empty() => {
                         if let Some((last, _)) = page.last() {
@@ -490,7 +501,14 @@ async fn events(
                     }
                     // A page of only unreadable events: step over it.
                     Ok((_, next)) if next - 1 > after => after = next - 1,
-                    Ok(_) => tokio::time::sleep(EVENT_POLL).await,
+                    Ok(_) => match notified.as_mut().as_pin_mut() {
+                        // Pushed: the next append wakes it; the long pause
+                        // only covers a notification lost in a reconnect.
+                        Some(notified) => {
+                            let _ = tokio::time::timeout(EVENT_PUSH_FALLBACK, notified).await;
+                        }
+                        None => tokio::time::sleep(EVENT_POLL).await,
+                    },
                     Err(err) => {
                         tracing::warn!(session_id, error = %err, "event stream ended");
                         return None;

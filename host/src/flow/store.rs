@@ -198,6 +198,14 @@ pub trait FlowStore: Send + Sync + 'static {
     /// processes within the backend's poll interval.
     fn work_signal(&self) -> Arc<Notify>;
 
+    /// Woken (`notify_waiters`) when entries are appended to a stream of
+    /// `flow_id`, by any process, if the backend can say so; `None` when
+    /// readers must poll.
+    fn stream_signal(&self, flow_id: &str) -> Option<Arc<Notify>> {
+        let _ = flow_id;
+        None
+    }
+
     async fn create_flow(
         &self,
         flow_id: &str,

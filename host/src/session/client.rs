@@ -482,6 +482,12 @@ impl AgentSessionClient {
 
     /// Events after stream sequence `after_seq`, oldest first, with their
     /// sequence numbers, and the sequence the next event will get.
+    /// Woken when events are appended to `session_id`'s stream, if the
+    /// store can say so (see [`crate::flow::FlowStore::stream_signal`]).
+    pub fn event_signal(&self, session_id: &str) -> Option<std::sync::Arc<tokio::sync::Notify>> {
+        self.client.store().stream_signal(session_id)
+    }
+
     pub async fn read_events(
         &self,
         session_id: &str,

@@ -10,12 +10,16 @@
 //!   advances by this machine's monotonic clock, so workers whose wall
 //!   clocks disagree still agree on every deadline, with no round trip per
 //!   transaction.
+//! - Appends to a flow's streams `NOTIFY` the events channel with the flow
+//!   id; the listener wakes that flow's readers ([`Signals::stream`]), so an
+//!   event stream on one machine sees a commit made on another at once.
 //! - When the connection breaks (a restart, a failover) it reconnects with
 //!   a growing pause, and wakes the workers once it is back, since a
 //!   notification may have been missed meanwhile.
 
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicI64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
@@ -69,6 +73,74 @@ impl DbClock {
     }
 }
 
+/// Whom the listener wakes, and on which channels.
+#[derive(Debug)]
+pub struct Signals {
+    /// Commits that may make work ready.
+    pub work_channel: String,
+    /// Stream appends; the payload is the flow id.
+    pub events_channel: String,
+    pub work: Arc<Notify>,
+    /// One per flow some reader waits on; gone with its last reader.
+    streams: Mutex<HashMap<String, Weak<Notify>>>,
+}
+
+impl Signals {
+    pub fn new(work_channel: String, events_channel: String) -> Self {
+        Self {
+            work_channel,
+            events_channel,
+            work: Arc::new(Notify::new()),
+            streams: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn streams(&self) -> std::sync::MutexGuard<'_, HashMap<String, Weak<Notify>>> {
+        match self.streams.lock() {
+            Ok(streams) => streams,
+            Err(poisoned) => poisoned.into_inner(),
+        }
+    }
+
+    /// The signal of `flow_id`'s streams (shared by its readers).
+    pub fn stream(&self, flow_id: &str) -> Arc<Notify> {
+        let mut streams = self.streams();
+        if let Some(signal) = streams.get(flow_id).and_then(Weak::upgrade) {
+            return signal;
+        }
+        // Forget flows nobody reads any more before the map can grow.
+        if streams.len() >= 64 && streams.len().is_power_of_two() {
+            streams.retain(|_, signal| signal.strong_count() > 0);
+        }
+        let signal = Arc::new(Notify::new());
+        streams.insert(flow_id.to_string(), Arc::downgrade(&signal));
+        signal
+    }
+
+    /// Wakes the readers of `flow_id`'s streams, if any.
+    pub fn wake_stream(&self, flow_id: &str) {
+        let signal = self.streams().get(flow_id).and_then(Weak::upgrade);
+        if let Some(signal) = signal {
+            signal.notify_waiters();
+        }
+    }
+
+    /// Wakes every reader (a notification may have been missed).
+    fn wake_all(&self) {
+        self.work.notify_waiters();
+        let signals: Vec<Arc<Notify>> = self.streams().values().filter_map(Weak::upgrade).collect();
+        for signal in signals {
+            signal.notify_waiters();
+        }
+    }
+}
+
+/// A notification: work may be ready, or a flow's stream grew.
+enum Note {
+    Work,
+    Stream(String),
+}
+
 /// Reads the database's clock; the instant is the middle of the round trip.
 async fn read_clock(client: &tokio_postgres::Client) -> Result<(StoreMillis, Instant), StoreError> {
     let sent = Instant::now();
@@ -85,17 +157,23 @@ async fn read_clock(client: &tokio_postgres::Client) -> Result<(StoreMillis, Ins
 /// The connection a listener runs on, with its notifications.
 async fn connect(
     url: &PostgresUrl,
-    channel: &str,
-) -> Result<(tokio_postgres::Client, mpsc::UnboundedReceiver<()>), StoreError> {
+    signals: &Signals,
+) -> Result<(tokio_postgres::Client, mpsc::UnboundedReceiver<Note>), StoreError> {
     let tls = url.tls().map_err(StoreError::Backend)?;
     let (client, mut connection) = url.config.connect(tls).await?;
     let (sender, notes) = mpsc::unbounded_channel();
+    let work_channel = signals.work_channel.clone();
     tokio::spawn(async move {
         let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
         while let Some(message) = messages.next().await {
             match message {
-                Ok(AsyncMessage::Notification(_)) => {
-                    if sender.send(()).is_err() {
+                Ok(AsyncMessage::Notification(note)) => {
+                    let note = if note.channel() == work_channel {
+                        Note::Work
+                    } else {
+                        Note::Stream(note.payload().to_string())
+                    };
+                    if sender.send(note).is_err() {
                         break;
                     }
                 }
@@ -108,7 +186,10 @@ async fn connect(
         }
     });
     client
-        .batch_execute(&format!("LISTEN \"{channel}\""))
+        .batch_execute(&format!(
+            "LISTEN \"{}\"; LISTEN \"{}\"",
+            signals.work_channel, signals.events_channel
+        ))
         .await?;
     Ok((client, notes))
 }
@@ -116,23 +197,21 @@ async fn connect(
 /// Starts the listener; returns the clock, read once before this returns.
 pub async fn start(
     url: PostgresUrl,
-    channel: String,
-    signal: Arc<Notify>,
+    signals: Arc<Signals>,
 ) -> Result<(Arc<DbClock>, tokio::task::JoinHandle<()>), StoreError> {
-    let (client, notes) = connect(&url, &channel).await?;
+    let (client, notes) = connect(&url, &signals).await?;
     let (db_ms, at) = read_clock(&client).await?;
     let clock = Arc::new(DbClock::new(db_ms, at));
-    let task = tokio::spawn(run(url, channel, signal, clock.clone(), client, notes));
+    let task = tokio::spawn(run(url, signals, clock.clone(), client, notes));
     Ok((clock, task))
 }
 
 async fn run(
     url: PostgresUrl,
-    channel: String,
-    signal: Arc<Notify>,
+    signals: Arc<Signals>,
     clock: Arc<DbClock>,
     mut client: tokio_postgres::Client,
-    mut notes: mpsc::UnboundedReceiver<()>,
+    mut notes: mpsc::UnboundedReceiver<Note>,
 ) {
     let mut sync = tokio::time::interval(CLOCK_SYNC);
     sync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -141,12 +220,28 @@ async fn run(
         loop {
             tokio::select! {
                 note = notes.recv() => {
-                    if note.is_none() {
+                    let Some(note) = note else {
                         break;
+                    };
+                    // Coalesce: whatever else arrived wakes each waiter once.
+                    let mut work = false;
+                    let mut flows = HashSet::new();
+                    let mut next = Some(note);
+                    while let Some(note) = next {
+                        match note {
+                            Note::Work => work = true,
+                            Note::Stream(flow_id) => {
+                                flows.insert(flow_id);
+                            }
+                        }
+                        next = notes.try_recv().ok();
                     }
-                    // Coalesce: whatever else arrived wakes the workers once.
-                    while notes.try_recv().is_ok() {}
-                    signal.notify_waiters();
+                    if work {
+                        signals.work.notify_waiters();
+                    }
+                    for flow_id in flows {
+                        signals.wake_stream(&flow_id);
+                    }
                 }
                 // Bounded: a connection that went quiet (half-open TCP) is
                 // replaced rather than waited on.
@@ -167,7 +262,7 @@ async fn run(
         let mut pause = Duration::from_millis(100);
         loop {
             tokio::time::sleep(pause).await;
-            match connect(&url, &channel).await {
+            match connect(&url, &signals).await {
                 Ok((new_client, new_notes)) => {
                     client = new_client;
                     notes = new_notes;
@@ -187,6 +282,6 @@ async fn run(
             "the PostgreSQL listener is back"
         );
         // A notification may have been sent while it was away.
-        signal.notify_waiters();
+        signals.wake_all();
     }
 }

@@ -26,7 +26,7 @@ mod streams;
 mod tasks;
 pub mod url;
 
-pub use listen::DbClock;
+pub use listen::{DbClock, Signals};
 pub use url::PostgresUrl;
 
 use std::any::Any;
@@ -42,8 +42,8 @@ use crate::flow::store::{
     StateQuery, StepCommit, StoreError,
 };
 use crate::flow::types::{
-    ClaimedTask, FlowInfo, Json, MapQuery, NewTask, StepHistoryEntry, StoreMillis, StreamPage,
-    Versioned,
+    ClaimedTask, FlowInfo, Json, MapQuery, NewTask, StateWrite, StepHistoryEntry, StoreMillis,
+    StreamPage, Versioned,
 };
 use sql::{execute, retrying, TxError, TxResult};
 
@@ -56,9 +56,8 @@ pub struct PostgresStore {
 struct Inner {
     url: PostgresUrl,
     pool: Pool,
-    signal: Arc<Notify>,
-    /// The `NOTIFY` channel of this store (one per schema).
-    channel: String,
+    /// The `NOTIFY` channels of this store (per schema) and who they wake.
+    signals: Arc<Signals>,
     clock: Arc<DbClock>,
     listener: tokio::task::JoinHandle<()>,
 }
@@ -92,15 +91,17 @@ impl PostgresStore {
                 )));
             }
         }
-        let channel = format!("dexa_work_{}", url.schema.as_deref().unwrap_or("public"));
-        let signal = Arc::new(Notify::new());
-        let (clock, listener) = listen::start(url.clone(), channel.clone(), signal.clone()).await?;
+        let schema = url.schema.as_deref().unwrap_or("public");
+        let signals = Arc::new(Signals::new(
+            format!("dexa_work_{schema}"),
+            format!("dexa_events_{schema}"),
+        ));
+        let (clock, listener) = listen::start(url.clone(), signals.clone()).await?;
         Ok(Self {
             inner: Arc::new(Inner {
                 url,
                 pool,
-                signal,
-                channel,
+                signals,
                 clock,
                 listener,
             }),
@@ -136,14 +137,34 @@ impl PostgresStore {
 
     /// Wakes the workers of every process at commit.
     async fn notify<C: deadpool_postgres::GenericClient>(&self, tx: &C) -> TxResult<()> {
-        execute(tx, "SELECT pg_notify($1, '')", &[&self.inner.channel]).await?;
+        execute(
+            tx,
+            "SELECT pg_notify($1, '')",
+            &[&self.inner.signals.work_channel],
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// Wakes the readers of `flow_id`'s streams in every process at commit.
+    async fn notify_stream<C: deadpool_postgres::GenericClient>(
+        &self,
+        tx: &C,
+        flow_id: &str,
+    ) -> TxResult<()> {
+        execute(
+            tx,
+            "SELECT pg_notify($1, $2)",
+            &[&self.inner.signals.events_channel, &flow_id],
+        )
+        .await?;
         Ok(())
     }
 
     /// Wakes this process's workers now (the notification comes back too,
     /// but later).
     fn wake_here(&self) {
-        self.inner.signal.notify_waiters();
+        self.inner.signals.work.notify_waiters();
     }
 }
 
@@ -211,7 +232,11 @@ impl FlowStore for PostgresStore {
     }
 
     fn work_signal(&self) -> Arc<Notify> {
-        self.inner.signal.clone()
+        self.inner.signals.work.clone()
+    }
+
+    fn stream_signal(&self, flow_id: &str) -> Option<Arc<Notify>> {
+        Some(self.inner.signals.stream(flow_id))
     }
 
     async fn create_flow(
@@ -310,14 +335,24 @@ impl FlowStore for PostgresStore {
             // The stream's row before the task's, the order of commits.
             streams::append_fitting(&tx, now, flow_id, stream, payloads).await?;
             tasks::record_output(&tx, now, task_id, lease_token).await?;
-        })
+            self.notify_stream(&tx, flow_id).await?;
+        })?;
+        self.inner.signals.wake_stream(flow_id);
+        Ok(())
     }
 
     async fn commit_step(&self, commit: StepCommit) -> Result<Vec<ClaimedTask>, StoreError> {
         let commit = &commit;
-        in_tx!(self, true, |tx, now| {
+        let appends = commit
+            .writes
+            .iter()
+            .any(|write| matches!(write, StateWrite::Append { .. }));
+        let claimed = in_tx!(self, true, |tx, now| {
             tasks::lock_flow(&tx, &commit.flow_id).await?;
             tasks::commit_step(&tx, now, commit).await?;
+            if appends {
+                self.notify_stream(&tx, &commit.flow_id).await?;
+            }
             match &commit.claim_next {
                 Some(next) if next.max > 0 => {
                     tasks::claim(
@@ -332,7 +367,11 @@ impl FlowStore for PostgresStore {
                 }
                 _ => Vec::new(),
             }
-        })
+        })?;
+        if appends {
+            self.inner.signals.wake_stream(&commit.flow_id);
+        }
+        Ok(claimed)
     }
 
     async fn fail_attempt(&self, failure: AttemptFailure) -> Result<(), StoreError> {
@@ -437,9 +476,13 @@ impl FlowStore for PostgresStore {
         payloads: Vec<Json>,
     ) -> Result<Vec<i64>, StoreError> {
         let payloads = &payloads;
-        in_tx!(self, false, |tx, now| {
-            streams::append_stream(&tx, now, flow_id, stream, payloads).await?
-        })
+        let seqs = in_tx!(self, false, |tx, now| {
+            let seqs = streams::append_stream(&tx, now, flow_id, stream, payloads).await?;
+            self.notify_stream(&tx, flow_id).await?;
+            seqs
+        })?;
+        self.inner.signals.wake_stream(flow_id);
+        Ok(seqs)
     }
 
     async fn read_stream(
