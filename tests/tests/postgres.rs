@@ -308,3 +308,64 @@ async fn a_commit_on_one_machine_wakes_waiters_on_another_without_polling() {
     let work_wake = started.elapsed();
     eprintln!("woken across machines: stream {stream_wake:?}, work {work_wake:?}");
 }
+
+/// The benchmarks that compare backends and scale workers run end to end
+/// (tiny sizes: the figures come from real runs, reported in the notes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_backend_benchmarks_run_on_both_stores_and_with_worker_processes() {
+    let server = test_postgres_url();
+    let client = raw_client().await;
+    let bench_schemas = || async {
+        client
+            .query_one(
+                "SELECT COUNT(*) FROM pg_namespace WHERE nspname LIKE 'dexa_bench_%'",
+                &[],
+            )
+            .await
+            .unwrap_or_else(|err| panic!("{err}"))
+            .get::<_, i64>(0)
+    };
+    let before = bench_schemas().await;
+    let (ok, engine) = dexa(&[
+        "bench", "engine", "--store", "sqlite", "--store", &server, "--flows", "4", "--steps", "3",
+        "--wakes", "5",
+    ]);
+    assert!(ok, "{engine}");
+    for backend in ["sqlite", "postgres"] {
+        assert!(
+            engine
+                .lines()
+                .any(|l| l.starts_with(&format!("engine/side-by-side: {backend}"))),
+            "{engine}"
+        );
+    }
+    let (ok, scale) = dexa(&[
+        "bench",
+        "scale",
+        "--store",
+        &server,
+        "--workers",
+        "1,2",
+        "--flows",
+        "8",
+        "--steps",
+        "2",
+        "--step-ms",
+        "5",
+    ]);
+    assert!(ok, "{scale}");
+    assert!(
+        scale.contains("scale[postgres]/workers=1x16 slots: 16 Steps"),
+        "{scale}"
+    );
+    assert!(
+        scale.contains("scale[postgres]/workers=2x16 slots: 16 Steps"),
+        "{scale}"
+    );
+    // The runs drop the schemas they made.
+    assert_eq!(
+        bench_schemas().await,
+        before,
+        "benchmark schemas left behind"
+    );
+}

@@ -1,4 +1,6 @@
-//! `dexa bench engine`: the durable Flow engine on the embedded SQLite store.
+//! `dexa bench engine`: the durable Flow engine on each store given
+//! (`--store sqlite`, the default, and/or `--store postgres://...`), side by
+//! side.
 //!
 //! - Throughput and claim-to-commit latency of durable no-op Steps through
 //!   the real worker.
@@ -14,11 +16,12 @@ use anyhow::Context;
 use clap::Args;
 use serde_json::json;
 
+use super::bench_store::BenchStore;
 use crate::flow::{
-    ChannelWait, FlowClient, FlowStatus, FlowStore, FlowType, Registry, StepCall, StepContext,
-    StepDef, StepResult, Worker, WorkerOptions,
+    ChannelWait, FlowClient, FlowStatus, FlowType, Registry, StepCall, StepContext, StepDef,
+    StepResult, Worker, WorkerOptions,
 };
-use crate::store::sqlite::{SqliteOptions, SqliteStore, Synchronous};
+use crate::store::sqlite::Synchronous;
 
 #[derive(Args, Debug)]
 pub struct EngineBenchArgs {
@@ -37,9 +40,23 @@ pub struct EngineBenchArgs {
     /// Wake-latency samples.
     #[arg(long, default_value_t = 200)]
     pub wakes: usize,
-    /// Where to put the store (a temporary directory by default).
+    /// Where to put a SQLite store (a temporary directory by default).
     #[arg(long)]
     pub dir: Option<PathBuf>,
+    /// The store: `sqlite` (a temporary file, the default) or a
+    /// `postgres://` server (the run makes and drops a schema of its own).
+    /// Give it more than once to compare backends in one run.
+    #[arg(long = "store", value_name = "sqlite|postgres://...")]
+    pub stores: Vec<String>,
+}
+
+/// One backend's figures, for the side-by-side table.
+struct EngineFigures {
+    label: &'static str,
+    steps_per_second: f64,
+    commit: (Duration, Duration),
+    wake: (Duration, Duration),
+    timer_late: Duration,
 }
 
 pub(crate) fn percentile(sorted: &[Duration], p: f64) -> Duration {
@@ -55,7 +72,9 @@ pub(crate) fn micros(d: Duration) -> String {
 }
 
 /// The flow types the benchmark runs.
-fn bench_registry(woken: Arc<Mutex<Vec<(String, Instant)>>>) -> anyhow::Result<Registry> {
+pub(super) fn bench_registry(
+    woken: Arc<Mutex<Vec<(String, Instant)>>>,
+) -> anyhow::Result<Registry> {
     let noop = |ctx: StepContext| async move {
         let left = ctx.input()["left"].as_u64().unwrap_or(0);
         if left == 0 {
@@ -91,8 +110,22 @@ fn bench_registry(woken: Arc<Mutex<Vec<(String, Instant)>>>) -> anyhow::Result<R
         let late = ctx.now().await? - ctx.input()["at"].as_i64().unwrap_or(0);
         Ok(StepResult::end().set("late_ms", json!(late)))
     };
+    // Waits like a model call would, then goes on (`dexa bench scale`).
+    let sleep = |ctx: StepContext| async move {
+        let left = ctx.input()["left"].as_u64().unwrap_or(0);
+        let ms = ctx.input()["ms"].as_u64().unwrap_or(50);
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+        if left == 0 {
+            return Ok(StepResult::end());
+        }
+        Ok(StepResult::go_to(StepCall::new(
+            "Sleep",
+            json!({ "left": left - 1, "ms": ms }),
+        )))
+    };
     Ok(Registry::new([
         FlowType::new("BenchNoop", "Step").step(StepDef::new("Step", noop)),
+        FlowType::new("BenchSleep", "Sleep").step(StepDef::new("Sleep", sleep)),
         FlowType::new("BenchWake", "Wait")
             .step(StepDef::new("Wait", wait_start))
             .step(StepDef::new("Woken", woken_handler)),
@@ -104,17 +137,49 @@ fn bench_registry(woken: Arc<Mutex<Vec<(String, Instant)>>>) -> anyhow::Result<R
 
 pub async fn run(args: EngineBenchArgs) -> anyhow::Result<()> {
     let synchronous: Synchronous = args.synchronous.parse().map_err(anyhow::Error::msg)?;
-    let temp = tempfile::tempdir()?;
-    let dir = args
-        .dir
-        .clone()
-        .unwrap_or_else(|| temp.path().to_path_buf());
-    let path = dir.join("bench.sqlite");
-    let options = SqliteOptions { synchronous };
-    let worker_store: Arc<dyn FlowStore> = Arc::new(SqliteStore::open(&path, options.clone())?);
+    let specs = if args.stores.is_empty() {
+        vec!["sqlite".to_string()]
+    } else {
+        args.stores.clone()
+    };
+    let mut all = Vec::new();
+    for spec in &specs {
+        let bench =
+            BenchStore::open(spec, synchronous, args.dir.as_deref(), "bench.sqlite").await?;
+        let figures = run_one(&args, synchronous, &bench).await;
+        bench.finish().await;
+        all.push(figures?);
+    }
+    if all.len() > 1 {
+        println!(
+            "engine/side-by-side: backend | no-op Steps/s | claim-to-commit p50 / p99 | wake by message p50 / p99 | timer lateness p50"
+        );
+        for f in &all {
+            println!(
+                "engine/side-by-side: {:<8} | {:>6.0} | {} / {} | {} / {} | {}",
+                f.label,
+                f.steps_per_second,
+                micros(f.commit.0),
+                micros(f.commit.1),
+                micros(f.wake.0),
+                micros(f.wake.1),
+                micros(f.timer_late)
+            );
+        }
+    }
+    Ok(())
+}
+
+async fn run_one(
+    args: &EngineBenchArgs,
+    synchronous: Synchronous,
+    bench: &BenchStore,
+) -> anyhow::Result<EngineFigures> {
+    let label = bench.label;
+    let worker_store = bench.store.clone();
     // The client's own handle: its commits reach the worker as another
     // process's would.
-    let client_store: Arc<dyn FlowStore> = Arc::new(SqliteStore::open(&path, options)?);
+    let client_store = bench.another_handle().await?;
     let woken = Arc::new(Mutex::new(Vec::new()));
     let registry = Arc::new(bench_registry(woken.clone())?);
     let client = FlowClient::new(client_store.clone(), registry.clone());
@@ -137,12 +202,16 @@ pub async fn run(args: EngineBenchArgs) -> anyhow::Result<()> {
     );
 
     eprintln!(
-        "bench engine: {} flows x {} no-op Steps, concurrency {}, SQLite synchronous={:?}, store {}",
+        "bench engine [{label}]: {} flows x {} no-op Steps, concurrency {}, store {}{}",
         args.flows,
         args.steps + 1,
         args.concurrency,
-        synchronous,
-        path.display()
+        bench.address,
+        if label == "sqlite" {
+            format!(", synchronous={synchronous:?}")
+        } else {
+            String::new()
+        }
     );
     let started = Instant::now();
     for n in 0..args.flows {
@@ -181,8 +250,9 @@ pub async fn run(args: EngineBenchArgs) -> anyhow::Result<()> {
         .filter(|f| f.status != FlowStatus::Completed)
         .count();
     anyhow::ensure!(unfinished == 0, "{unfinished} flows did not complete");
+    let commit = (percentile(&sorted, 0.50), percentile(&sorted, 0.99));
     println!(
-        "engine/noop-steps: {total_steps} Steps in {:.2} s = {:.0} Steps/s; claim-to-commit p50 {}, p99 {}",
+        "engine[{label}]/noop-steps: {total_steps} Steps in {:.2} s = {:.0} Steps/s; claim-to-commit p50 {}, p99 {}",
         elapsed.as_secs_f64(),
         total_steps as f64 / elapsed.as_secs_f64(),
         micros(percentile(&sorted, 0.50)),
@@ -225,7 +295,7 @@ pub async fn run(args: EngineBenchArgs) -> anyhow::Result<()> {
     }
     wakes.sort();
     println!(
-        "engine/wake-by-message (another store handle): p50 {}, p99 {}, max {} over {} wakes",
+        "engine[{label}]/wake-by-message (another store handle): p50 {}, p99 {}, max {} over {} wakes",
         micros(percentile(&wakes, 0.50)),
         micros(percentile(&wakes, 0.99)),
         micros(wakes.last().copied().unwrap_or_default()),
@@ -254,11 +324,17 @@ pub async fn run(args: EngineBenchArgs) -> anyhow::Result<()> {
     }
     lateness.sort();
     println!(
-        "engine/timer-lateness: p50 {}, max {} over {} timers",
+        "engine[{label}]/timer-lateness: p50 {}, max {} over {} timers",
         micros(percentile(&lateness, 0.50)),
         micros(lateness.last().copied().unwrap_or_default()),
         lateness.len()
     );
     worker.abort();
-    Ok(())
+    Ok(EngineFigures {
+        label,
+        steps_per_second: total_steps as f64 / elapsed.as_secs_f64(),
+        commit,
+        wake: (percentile(&wakes, 0.50), percentile(&wakes, 0.99)),
+        timer_late: percentile(&lateness, 0.50),
+    })
 }

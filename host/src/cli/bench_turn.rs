@@ -1,5 +1,6 @@
-//! `dexa bench turn`: one agent turn through AgentSessionFlow on the embedded
-//! store, every Step in a fresh sandbox as in production: AwaitUserMessage
+//! `dexa bench turn`: one agent turn through AgentSessionFlow on each store
+//! given (`--store sqlite`, the default, and/or `--store postgres://...`,
+//! side by side), every Step in a fresh sandbox as in production: AwaitUserMessage
 //! (build-user-message), RunModel returning N tool calls, N parallel CallTool
 //! Steps, ResumeTurn, the final RunModel, and the append.
 //!
@@ -20,6 +21,7 @@ use serde_json::json;
 use tokio::sync::Notify;
 
 use super::bench::{micros, percentile};
+use super::bench_store::BenchStore;
 use super::EngineArgs;
 use crate::flow::{FlowClient, FlowStore, Registry, Worker, WorkerOptions};
 use crate::plugin::{ComponentSettings, SandboxConfig, SandboxEngine};
@@ -27,7 +29,7 @@ use crate::session::{
     step, AgentComponents, AgentSessionClient, AgentSessionFlow, AgentSessionOptions, AgentState,
     ToolEffect, ToolPolicy, AGENT_STATE,
 };
-use crate::store::sqlite::{SqliteOptions, SqliteStore, Synchronous};
+use crate::store::sqlite::Synchronous;
 
 #[derive(Args, Debug)]
 pub struct TurnBenchArgs {
@@ -61,9 +63,22 @@ pub struct TurnBenchArgs {
     /// Steps the worker runs at once.
     #[arg(long, default_value_t = 64)]
     pub concurrency: usize,
-    /// Where to put the store (a temporary directory by default).
+    /// Where to put a SQLite store (a temporary directory by default).
     #[arg(long)]
     pub dir: Option<PathBuf>,
+    /// The store: `sqlite` (a temporary file, the default) or a
+    /// `postgres://` server (the run makes and drops a schema of its own).
+    /// Give it more than once to compare backends in one run.
+    #[arg(long = "store", value_name = "sqlite|postgres://...")]
+    pub stores: Vec<String>,
+}
+
+/// One backend's figures, for the side-by-side table.
+struct TurnFigures {
+    label: &'static str,
+    sequential: (Duration, Duration),
+    turns_per_second: f64,
+    loaded: (Duration, Duration),
 }
 
 pub(super) const AGENT: &str = "BenchAgent";
@@ -158,6 +173,52 @@ fn peak_rss_kib() -> Option<u64> {
 
 pub async fn run(args: TurnBenchArgs) -> anyhow::Result<()> {
     let synchronous: Synchronous = args.synchronous.parse().map_err(anyhow::Error::msg)?;
+    let specs = if args.stores.is_empty() {
+        vec!["sqlite".to_string()]
+    } else {
+        args.stores.clone()
+    };
+    let mut all = Vec::new();
+    for spec in &specs {
+        let bench =
+            BenchStore::open(spec, synchronous, args.dir.as_deref(), "bench-turn.sqlite").await?;
+        let figures = run_one(&args, synchronous, &bench).await;
+        bench.finish().await;
+        all.push(figures?);
+    }
+    if all.len() > 1 {
+        println!(
+            "turn/side-by-side: backend | sequential p50 / p99 | {} clients: turns/s, p50 / p99",
+            args.clients
+        );
+        for f in &all {
+            println!(
+                "turn/side-by-side: {:<8} | {} / {} | {:.0}, {} / {}",
+                f.label,
+                micros(f.sequential.0),
+                micros(f.sequential.1),
+                f.turns_per_second,
+                micros(f.loaded.0),
+                micros(f.loaded.1)
+            );
+        }
+    }
+    match peak_rss_kib() {
+        Some(kib) => println!(
+            "turn/peak-rss: {:.1} MiB (this process: worker, store, sandboxes and the bench clients)",
+            kib as f64 / 1024.0
+        ),
+        None => println!("turn/peak-rss: unavailable (no /proc/self/status)"),
+    }
+    Ok(())
+}
+
+async fn run_one(
+    args: &TurnBenchArgs,
+    synchronous: Synchronous,
+    bench_store: &BenchStore,
+) -> anyhow::Result<TurnFigures> {
+    let label = bench_store.label;
     let runner_path = args.guests_dir.join("scripted-runner.wasm");
     let tool_path = args.guests_dir.join("tiny-tool.wasm");
     for path in [&runner_path, &tool_path] {
@@ -167,14 +228,7 @@ pub async fn run(args: TurnBenchArgs) -> anyhow::Result<()> {
             path.display()
         );
     }
-    let temp = tempfile::tempdir()?;
-    let dir = args
-        .dir
-        .clone()
-        .unwrap_or_else(|| temp.path().to_path_buf());
-    let path = dir.join("bench-turn.sqlite");
-    let store: Arc<dyn FlowStore> =
-        Arc::new(SqliteStore::open(&path, SqliteOptions { synchronous })?);
+    let store: Arc<dyn FlowStore> = bench_store.store.clone();
 
     eprintln!("bench turn: loading components (the first run compiles them)");
     let engine = SandboxEngine::new(SandboxConfig {
@@ -227,9 +281,14 @@ pub async fn run(args: TurnBenchArgs) -> anyhow::Result<()> {
         watch,
     });
     eprintln!(
-        "bench turn: 1 turn = RunModel -> {} x CallTool (parallel) -> ResumeTurn -> RunModel -> append; SQLite synchronous={synchronous:?}, store {}",
+        "bench turn [{label}]: 1 turn = RunModel -> {} x CallTool (parallel) -> ResumeTurn -> RunModel -> append; store {}{}",
         args.tool_calls,
-        path.display()
+        bench_store.address,
+        if label == "sqlite" {
+            format!(", synchronous={synchronous:?}")
+        } else {
+            String::new()
+        }
     );
 
     // Warm-up, not measured.
@@ -266,14 +325,14 @@ pub async fn run(args: TurnBenchArgs) -> anyhow::Result<()> {
     for (step_type, mut times) in per_step {
         times.sort();
         println!(
-            "turn/sequential/step {step_type}: claim-to-commit p50 {}, p99 {} over {}",
+            "turn[{label}]/sequential/step {step_type}: claim-to-commit p50 {}, p99 {} over {}",
             micros(percentile(&times, 0.50)),
             micros(percentile(&times, 0.99)),
             times.len()
         );
     }
     println!(
-        "turn/sequential: {} turns over {} sessions; latency p50 {}, p99 {}, max {}; CPU steal {}",
+        "turn[{label}]/sequential: {} turns over {} sessions; latency p50 {}, p99 {}, max {}; CPU steal {}",
         latencies.len(),
         args.sequential_sessions,
         micros(percentile(&latencies, 0.50)),
@@ -318,7 +377,7 @@ pub async fn run(args: TurnBenchArgs) -> anyhow::Result<()> {
     let committed = steps.load(Ordering::Relaxed) - steps_before;
     loaded.sort();
     println!(
-        "turn/throughput: {} clients, {} turns over {} sessions in {:.2} s = {:.0} turns/s, {:.0} Steps/s; turn latency p50 {}, p99 {}; CPU steal {}",
+        "turn[{label}]/throughput: {} clients, {} turns over {} sessions in {:.2} s = {:.0} turns/s, {:.0} Steps/s; turn latency p50 {}, p99 {}; CPU steal {}",
         args.clients,
         loaded.len(),
         args.sessions,
@@ -329,13 +388,11 @@ pub async fn run(args: TurnBenchArgs) -> anyhow::Result<()> {
         micros(percentile(&loaded, 0.99)),
         steal_since(ticks),
     );
-    match peak_rss_kib() {
-        Some(kib) => println!(
-            "turn/peak-rss: {:.1} MiB (this process: worker, store, sandboxes and the bench clients)",
-            kib as f64 / 1024.0
-        ),
-        None => println!("turn/peak-rss: unavailable (no /proc/self/status)"),
-    }
     worker.abort();
-    Ok(())
+    Ok(TurnFigures {
+        label,
+        sequential: (percentile(&latencies, 0.50), percentile(&latencies, 0.99)),
+        turns_per_second: loaded.len() as f64 / elapsed.as_secs_f64(),
+        loaded: (percentile(&loaded, 0.50), percentile(&loaded, 0.99)),
+    })
 }

@@ -1,6 +1,8 @@
 //! The `dexa` command line.
 
 pub mod bench;
+pub mod bench_scale;
+pub mod bench_store;
 pub mod bench_swap;
 pub mod bench_turn;
 pub mod chat;
@@ -66,8 +68,8 @@ pub enum Command {
 
 #[derive(Subcommand, Debug)]
 pub enum BenchCommand {
-    /// Durable no-op Steps on the embedded SQLite store: throughput,
-    /// claim-to-commit latency, wake latency.
+    /// Durable no-op Steps on each --store (SQLite by default, PostgreSQL
+    /// too): throughput, claim-to-commit latency, wake latency.
     Engine(bench::EngineBenchArgs),
     /// One agent turn through AgentSessionFlow with sandboxed guests:
     /// sequential latency, throughput with concurrent clients, peak RSS.
@@ -76,6 +78,12 @@ pub enum BenchCommand {
     /// activation every second against a run with none: turns/s, p50/p99,
     /// failed turns, and how fast each worker sees an activation.
     Swap(bench_swap::SwapBenchArgs),
+    /// Waiting-bound throughput with 1, 2 and 4 worker processes on one
+    /// store: how it grows with workers, and the per-Step overhead.
+    Scale(bench_scale::ScaleBenchArgs),
+    /// A worker process of `dexa bench scale`.
+    #[command(hide = true)]
+    ScaleWorker(bench_scale::ScaleWorkerArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -187,6 +195,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Engine(args)) => bench::run(args).await,
         Command::Bench(BenchCommand::Turn(args)) => bench_turn::run(args).await,
         Command::Bench(BenchCommand::Swap(args)) => bench_swap::run(args).await,
+        Command::Bench(BenchCommand::Scale(args)) => bench_scale::run(args).await,
+        Command::Bench(BenchCommand::ScaleWorker(args)) => bench_scale::worker(args).await,
     }
 }
 

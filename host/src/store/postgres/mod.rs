@@ -121,6 +121,22 @@ impl PostgresStore {
         schema::migrate(&mut client).await
     }
 
+    /// Drops this store's schema with everything in it (for benchmarks
+    /// and tests that made one of their own); refused for a store in the
+    /// default schema.
+    pub async fn drop_schema(&self) -> Result<(), StoreError> {
+        let Some(schema) = &self.inner.url.schema else {
+            return Err(StoreError::Backend(
+                "this store has no schema of its own to drop".to_string(),
+            ));
+        };
+        let client = self.client().await?;
+        client
+            .batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"))
+            .await?;
+        Ok(())
+    }
+
     /// The address, as written (it holds no password).
     pub fn url(&self) -> &str {
         &self.inner.url.text

@@ -163,8 +163,10 @@ impl PostgresUrl {
         // off mid-commit) would hold its flow's lock for as long as TCP
         // takes to notice: the server ends it after a minute instead, and a
         // lock wait gives up (and retries) after ten seconds.
-        let mut options =
-            "-c idle_in_transaction_session_timeout=60000 -c lock_timeout=10000".to_string();
+        // Notices ("schema already exists, skipping") are not for the log.
+        let mut options = "-c idle_in_transaction_session_timeout=60000 -c lock_timeout=10000 \
+                           -c client_min_messages=warning"
+            .to_string();
         if let Some(schema) = &schema {
             options.push_str(&format!(" -c search_path={schema}"));
         }
