@@ -362,33 +362,59 @@ pub(super) async fn claim<C: GenericClient>(
 }
 
 /// Extends the leases `worker_id` holds; returns the pairs it lost.
+///
+/// A row another transaction holds right now (this worker's own commit of
+/// it, a reaper deciding about it) is passed over, not waited for: waiting
+/// could close a cycle with a commit that drops a flow's tasks. Such a row
+/// counts as lost only if it is no longer this worker's lease; otherwise the
+/// next renewal takes it.
 pub(super) async fn renew_leases<C: GenericClient>(
-    tx: &C,
+    client: &C,
     now: StoreMillis,
     worker_id: &str,
     held: &[(i64, i64)],
     lease_ms: i64,
 ) -> TxResult<Vec<(i64, i64)>> {
-    let mut held = held.to_vec();
-    // One order for every renewal, so two never wait on each other in a cycle.
-    held.sort_unstable();
     let ids: Vec<i64> = held.iter().map(|(id, _)| *id).collect();
     let tokens: Vec<i64> = held.iter().map(|(_, token)| *token).collect();
     let renewed = query(
-        tx,
+        client,
         "UPDATE tasks AS t SET lease_expires_ms = $1
          FROM unnest($2::bigint[], $3::bigint[]) AS h(task_id, lease_token)
          WHERE t.task_id = h.task_id AND t.lease_token = h.lease_token
            AND t.state = 'leased' AND t.lease_owner = $4
+           AND t.task_id IN (SELECT task_id FROM tasks WHERE task_id = ANY($2)
+                             FOR UPDATE SKIP LOCKED)
          RETURNING t.task_id, t.lease_token",
         &[&(now + lease_ms), &ids, &tokens, &worker_id],
     )
     .await?;
-    let kept: std::collections::HashSet<(i64, i64)> =
-        renewed.iter().map(|row| (row.get(0), row.get(1))).collect();
-    Ok(held
-        .into_iter()
+    let kept: std::collections::HashSet<(i64, i64)> = renewed
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect();
+    let missing: Vec<(i64, i64)> = held
+        .iter()
+        .copied()
         .filter(|pair| !kept.contains(pair))
+        .collect();
+    if missing.is_empty() {
+        return Ok(Vec::new());
+    }
+    let missing_ids: Vec<i64> = missing.iter().map(|(id, _)| *id).collect();
+    let still_ours: std::collections::HashSet<(i64, i64)> = query(
+        client,
+        "SELECT task_id, lease_token FROM tasks
+         WHERE task_id = ANY($1) AND state = 'leased' AND lease_owner = $2",
+        &[&missing_ids, &worker_id],
+    )
+    .await?
+    .iter()
+    .map(|row| (row.get(0), row.get(1)))
+    .collect();
+    Ok(missing
+        .into_iter()
+        .filter(|pair| !still_ours.contains(pair))
         .collect())
 }
 
