@@ -369,3 +369,55 @@ async fn the_backend_benchmarks_run_on_both_stores_and_with_worker_processes() {
         "benchmark schemas left behind"
     );
 }
+
+/// The operator's commands read and drive a PostgreSQL deployment from
+/// any machine: `dexa session`, `dexa agent versions`, `dexa component
+/// list`, all through `--config` (here `$DEXA_CONFIG`), with a worker
+/// elsewhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_config_commands_work_against_postgres() {
+    use dexa_tests::session::{Backend, BACKEND};
+    use dexa_tests::versions::dexa_cli;
+    BACKEND
+        .scope(Backend::Postgres, async {
+            let mut stack = AgentTestStack::new(vec![KitAgent::scripted(
+                "Ops",
+                json!({"turns": [{"steps": [{"text": "hello from postgres"}]}]}),
+            )]);
+            let config = std::fs::read_to_string(&stack.config_path).unwrap();
+            assert!(config.contains("postgres://"), "{config}");
+            stack.start_worker();
+            let started = dexa_cli(
+                &stack,
+                &["session", "start", "Ops", "hi", "--id", "s1"],
+                &[],
+            );
+            assert!(started.success, "{started:?}");
+            let waited = dexa_cli(&stack, &["session", "wait", "s1"], &[]);
+            assert!(waited.success, "{waited:?}");
+            let shown = dexa_cli(&stack, &["session", "show", "s1", "--json"], &[]).json();
+            let texts: Vec<&str> = shown["messages"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter_map(|m| m["text"].as_str())
+                .collect();
+            assert_eq!(texts, vec!["hi", "hello from postgres"]);
+            let listed = dexa_cli(&stack, &["session", "list"], &[]);
+            assert!(listed.success && listed.stdout.contains("s1"), "{listed:?}");
+            let history = dexa_cli(&stack, &["session", "history", "s1"], &[]);
+            assert!(
+                history.success && history.stdout.contains("RunModel"),
+                "{history:?}"
+            );
+            let versions = dexa_cli(&stack, &["agent", "versions", "Ops"], &[]);
+            assert!(versions.success, "{versions:?}");
+            assert!(versions.stdout.contains("config"), "{versions:?}");
+            let components = dexa_cli(&stack, &["component", "list"], &[]);
+            assert!(
+                components.success && components.stdout.contains("runner"),
+                "{components:?}"
+            );
+        })
+        .await;
+}
