@@ -389,10 +389,8 @@ pub(super) async fn renew_leases<C: GenericClient>(
         &[&(now + lease_ms), &ids, &tokens, &worker_id],
     )
     .await?;
-    let kept: std::collections::HashSet<(i64, i64)> = renewed
-        .iter()
-        .map(|row| (row.get(0), row.get(1)))
-        .collect();
+    let kept: std::collections::HashSet<(i64, i64)> =
+        renewed.iter().map(|row| (row.get(0), row.get(1))).collect();
     let missing: Vec<(i64, i64)> = held
         .iter()
         .copied()
