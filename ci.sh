@@ -27,9 +27,9 @@ apt_install() {
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >/dev/null
 }
 
-step "browser for the web viewer test (Debian's chromium, chromium-driver), curl for the README walkthrough and faketime for the scale-out test's skewed clocks"
+step "browser for the web viewer test (Debian's chromium, chromium-driver), curl for the README walkthrough, faketime for the scale-out test's skewed clocks, openssl for the PostgreSQL TLS test's certificates"
 missing=()
-for pkg in chromium chromium-driver curl faketime; do
+for pkg in chromium chromium-driver curl faketime openssl; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
 done
 apt_install "${missing[@]}"

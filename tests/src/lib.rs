@@ -11,6 +11,7 @@ pub mod hostile;
 pub mod kit;
 pub mod languages;
 pub mod measure;
+pub mod pg_cluster;
 pub mod serve_process;
 pub mod session;
 pub mod toy;

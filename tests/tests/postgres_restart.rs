@@ -14,59 +14,10 @@ use dexa_tests::api_server::TEST_TOKEN;
 use dexa_tests::kit::{
     dexa_binary, render_config, wait_for_turns, AgentTestStack, KitAgent, KitSettings,
 };
-use dexa_tests::repo_root;
+use dexa_tests::pg_cluster::Cluster;
 use dexa_tests::serve_process::{request, until_ok};
 use dexa_tests::session::{last_text, texts_of};
 use serde_json::json;
-
-/// A cluster of its own, stopped when dropped.
-struct Cluster {
-    dir: tempfile::TempDir,
-    url: String,
-}
-
-fn script(action: &str, dir: &std::path::Path) -> String {
-    let output = Command::new(repo_root().join("scripts/test-postgres.sh"))
-        .arg(action)
-        .arg(dir)
-        .output()
-        .unwrap_or_else(|err| panic!("test-postgres.sh {action}: {err}"));
-    assert!(
-        output.status.success(),
-        "test-postgres.sh {action}: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    String::from_utf8_lossy(&output.stdout).trim().to_string()
-}
-
-impl Cluster {
-    fn start() -> Self {
-        let target = repo_root().join("target");
-        let dir = tempfile::Builder::new()
-            .prefix("pg-restart-")
-            .tempdir_in(&target)
-            .unwrap_or_else(|err| panic!("temp dir: {err}"));
-        let url = script("start", dir.path());
-        Self { dir, url }
-    }
-
-    fn pause(&self) {
-        script("pause", self.dir.path());
-    }
-
-    fn resume(&self) {
-        script("resume", self.dir.path());
-    }
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        let _ = Command::new(repo_root().join("scripts/test-postgres.sh"))
-            .arg("stop")
-            .arg(self.dir.path())
-            .output();
-    }
-}
 
 /// `dexa serve --no-worker` on the stack's config; killed when dropped.
 struct Serve {

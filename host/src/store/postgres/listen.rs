@@ -285,3 +285,14 @@ async fn run(
         signals.wake_all();
     }
 }
+
+/// Sends `payload` on `channel` when the transaction commits (duplicates
+/// within one transaction are sent once).
+pub(super) async fn notify<C: deadpool_postgres::GenericClient>(
+    tx: &C,
+    channel: &str,
+    payload: &str,
+) -> super::sql::TxResult<()> {
+    super::sql::execute(tx, "SELECT pg_notify($1, $2)", &[&channel, &payload]).await?;
+    Ok(())
+}

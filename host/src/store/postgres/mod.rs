@@ -4,16 +4,22 @@
 //! - Each operation is one transaction on a pooled connection
 //!   (`deadpool-postgres`), with statements prepared once per connection.
 //!   A transaction that loses a deadlock runs again (`sql::retrying`).
-//! - Workers claim with `FOR UPDATE SKIP LOCKED`; the writes of one flow
-//!   apply one at a time under its row's lock (`tasks.rs` says why).
-//! - Commits that may make work ready `NOTIFY`; each process `LISTEN`s on
-//!   one connection of its own and wakes its workers (`listen.rs`).
+//! - Workers claim with `FOR UPDATE SKIP LOCKED` (`claims.rs`); the writes
+//!   of one flow apply one at a time under its row's lock (`tasks.rs` says
+//!   why).
+//! - Commits that make work ready for others `NOTIFY`, and stream appends
+//!   name their flow; each process `LISTEN`s on one connection of its own
+//!   and wakes its workers and that flow's event readers (`listen.rs`).
 //! - The store's clock is the database's (`listen::DbClock`).
 //!
-//! This file implements the traits and writes no SQL; each table family
-//! has its file, as on SQLite.
+//! This file implements the traits and writes no SQL: opening is in
+//! `connect.rs`, RPCs in `rpc.rs`, each table family has its file as on
+//! SQLite (`flows`, `tasks`, `claims`, `state`, `streams`, `history`,
+//! `catalog`), and `load.rs` is the target side of `dexa store copy`.
 
 mod catalog;
+mod claims;
+mod connect;
 mod flows;
 mod history;
 mod listen;
@@ -31,21 +37,20 @@ pub use url::PostgresUrl;
 
 use std::any::Any;
 use std::sync::Arc;
-use std::time::Duration;
 
 use async_trait::async_trait;
-use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use deadpool_postgres::Pool;
 use tokio::sync::Notify;
 
 use crate::flow::store::{
-    AttemptFailure, ExpiredLease, FailureAction, FlowStore, RpcBody, RpcError, StateAnswer,
-    StateQuery, StepCommit, StoreError,
+    AttemptFailure, ExpiredLease, FlowStore, RpcBody, RpcError, StateAnswer, StateQuery,
+    StepCommit, StoreError,
 };
 use crate::flow::types::{
     ClaimedTask, FlowInfo, Json, MapQuery, NewTask, StateWrite, StepHistoryEntry, StoreMillis,
     StreamPage, Versioned,
 };
-use sql::{execute, retrying, TxError, TxResult};
+use sql::{retrying, TxResult};
 
 /// The PostgreSQL store. Cheap to clone.
 #[derive(Clone)]
@@ -69,74 +74,6 @@ impl Drop for Inner {
 }
 
 impl PostgresStore {
-    /// Connects, creates the schema in an empty database and checks the
-    /// version of an existing one: a newer one is refused, and so is an
-    /// older one until `dexa store migrate` has run.
-    pub async fn connect(url: PostgresUrl) -> Result<Self, StoreError> {
-        let pool = pool(&url)?;
-        {
-            let mut client = pool.get().await.map_err(|err| {
-                StoreError::Backend(format!("cannot connect to {}: {err}", url.text))
-            })?;
-            if let Some(schema) = &url.schema {
-                client
-                    .batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {schema}"))
-                    .await?;
-            }
-            if let schema::SchemaState::Older(found) = schema::open(&mut client).await? {
-                return Err(StoreError::Backend(format!(
-                    "the PostgreSQL store has schema {found} and this dexa writes schema {}; \
-                     run `dexa store migrate` first",
-                    schema::SCHEMA_VERSION
-                )));
-            }
-        }
-        let schema = url.schema.as_deref().unwrap_or("public");
-        let signals = Arc::new(Signals::new(
-            format!("dexa_work_{schema}"),
-            format!("dexa_events_{schema}"),
-        ));
-        let (clock, listener) = listen::start(url.clone(), signals.clone()).await?;
-        Ok(Self {
-            inner: Arc::new(Inner {
-                url,
-                pool,
-                signals,
-                clock,
-                listener,
-            }),
-        })
-    }
-
-    /// Applies the schema's migrations; returns the versions before and
-    /// after.
-    pub async fn migrate(url: &PostgresUrl) -> Result<(i64, i64), StoreError> {
-        let pool = pool(url)?;
-        let mut client = pool.get().await?;
-        if let Some(schema) = &url.schema {
-            client
-                .batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {schema}"))
-                .await?;
-        }
-        schema::migrate(&mut client).await
-    }
-
-    /// Drops this store's schema with everything in it (for benchmarks
-    /// and tests that made one of their own); refused for a store in the
-    /// default schema.
-    pub async fn drop_schema(&self) -> Result<(), StoreError> {
-        let Some(schema) = &self.inner.url.schema else {
-            return Err(StoreError::Backend(
-                "this store has no schema of its own to drop".to_string(),
-            ));
-        };
-        let client = self.client().await?;
-        client
-            .batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"))
-            .await?;
-        Ok(())
-    }
-
     /// The address, as written (it holds no password).
     pub fn url(&self) -> &str {
         &self.inner.url.text
@@ -153,13 +90,7 @@ impl PostgresStore {
 
     /// Wakes the workers of every process at commit.
     async fn notify<C: deadpool_postgres::GenericClient>(&self, tx: &C) -> TxResult<()> {
-        execute(
-            tx,
-            "SELECT pg_notify($1, '')",
-            &[&self.inner.signals.work_channel],
-        )
-        .await?;
-        Ok(())
+        listen::notify(tx, &self.inner.signals.work_channel, "").await
     }
 
     /// Wakes the readers of `flow_id`'s streams in every process at commit.
@@ -168,13 +99,7 @@ impl PostgresStore {
         tx: &C,
         flow_id: &str,
     ) -> TxResult<()> {
-        execute(
-            tx,
-            "SELECT pg_notify($1, $2)",
-            &[&self.inner.signals.events_channel, &flow_id],
-        )
-        .await?;
-        Ok(())
+        listen::notify(tx, &self.inner.signals.events_channel, flow_id).await
     }
 
     /// Wakes this process's workers now (the notification comes back too,
@@ -182,25 +107,6 @@ impl PostgresStore {
     fn wake_here(&self) {
         self.inner.signals.work.notify_waiters();
     }
-}
-
-fn pool(url: &PostgresUrl) -> Result<Pool, StoreError> {
-    let tls = url.tls().map_err(StoreError::Backend)?;
-    let manager = Manager::from_config(
-        url.config.clone(),
-        tls,
-        ManagerConfig {
-            recycling_method: RecyclingMethod::Fast,
-        },
-    );
-    Pool::builder(manager)
-        .max_size(url.pool_size)
-        .runtime(Runtime::Tokio1)
-        .wait_timeout(Some(Duration::from_secs(10)))
-        .create_timeout(Some(Duration::from_secs(5)))
-        .recycle_timeout(Some(Duration::from_secs(5)))
-        .build()
-        .map_err(|err| StoreError::Backend(format!("the PostgreSQL pool: {err}")))
 }
 
 /// Runs `$body` in a transaction (with `tx` and `now` bound), retried on a
@@ -300,17 +206,17 @@ impl FlowStore for PostgresStore {
         }
         // Most looks find nothing; a read says so without a transaction.
         let any = on_client!(self, |client, now| {
-            tasks::any_claimable(&client, now, flow_types).await?
+            claims::any_claimable(&client, now, flow_types).await?
         })?;
         if !any {
             return Ok(Vec::new());
         }
         in_tx!(self, false, |tx, now| {
-            tasks::claim(
+            claims::claim(
                 &tx,
                 now,
                 worker_id,
-                tasks::ClaimScope::FlowTypes(flow_types),
+                claims::ClaimScope::FlowTypes(flow_types),
                 max,
                 lease_ms,
             )
@@ -328,7 +234,7 @@ impl FlowStore for PostgresStore {
             return Ok(Vec::new());
         }
         on_client!(self, |client, now| {
-            tasks::renew_leases(&client, now, worker_id, held, lease_ms).await?
+            claims::renew_leases(&client, now, worker_id, held, lease_ms).await?
         })
     }
 
@@ -363,27 +269,45 @@ impl FlowStore for PostgresStore {
             .writes
             .iter()
             .any(|write| matches!(write, StateWrite::Append { .. }));
-        let claimed = in_tx!(self, true, |tx, now| {
+        // A publish can make waiting tasks ready; next tasks are ready unless
+        // they wait.
+        let publishes = commit
+            .writes
+            .iter()
+            .any(|write| matches!(write, StateWrite::Publish { .. }));
+        let (claimed, woke) = in_tx!(self, false, |tx, now| {
             tasks::lock_flow(&tx, &commit.flow_id).await?;
-            tasks::commit_step(&tx, now, commit).await?;
+            let ready = tasks::commit_step(&tx, now, commit).await?;
             if appends {
                 self.notify_stream(&tx, &commit.flow_id).await?;
             }
-            match &commit.claim_next {
+            let claimed = match &commit.claim_next {
                 Some(next) if next.max > 0 => {
-                    tasks::claim(
+                    claims::claim(
                         &tx,
                         now,
                         &next.worker_id,
-                        tasks::ClaimScope::Flow(&commit.flow_id),
+                        claims::ClaimScope::Flow(&commit.flow_id),
                         next.max,
                         next.lease_ms,
                     )
                     .await?
                 }
                 _ => Vec::new(),
+            };
+            // Workers elsewhere are woken only for work this commit did not
+            // take itself: a sequential flow's next Step, leased with the
+            // commit, costs no NOTIFY (whose commit-time lock every
+            // notifying transaction of the database shares) and wakes no one.
+            let woke = publishes || ready > claimed.len();
+            if woke {
+                self.notify(&tx).await?;
             }
+            (claimed, woke)
         })?;
+        if woke {
+            self.wake_here();
+        }
         if appends {
             self.inner.signals.wake_stream(&commit.flow_id);
         }
@@ -393,7 +317,7 @@ impl FlowStore for PostgresStore {
     async fn fail_attempt(&self, failure: AttemptFailure) -> Result<(), StoreError> {
         let failure = &failure;
         in_tx!(self, true, |tx, now| {
-            fail_attempt(&tx, now, failure).await?
+            tasks::fail_attempt(&tx, now, failure).await?
         })
     }
 
@@ -406,7 +330,7 @@ impl FlowStore for PostgresStore {
             return Ok(Vec::new());
         }
         on_client!(self, |client, now| {
-            tasks::expired_leases(&client, now, flow_types, limit).await?
+            claims::expired_leases(&client, now, flow_types, limit).await?
         })
     }
 
@@ -415,7 +339,7 @@ impl FlowStore for PostgresStore {
             return Ok(None);
         }
         on_client!(self, |client, now| {
-            tasks::next_due(&client, flow_types).await?
+            claims::next_due(&client, flow_types).await?
         })
     }
 
@@ -555,104 +479,5 @@ impl FlowStore for PostgresStore {
         body: RpcBody,
     ) -> Result<Box<dyn Any + Send>, RpcError> {
         self.run_rpc(flow_id.to_string(), body, true).await
-    }
-}
-
-impl PostgresStore {
-    /// Runs an RPC body on a blocking thread in one transaction: a write
-    /// RPC under the flow's lock, a read-only one in a repeatable-read
-    /// snapshot. The body runs once (it is not retried).
-    async fn run_rpc(
-        &self,
-        flow_id: String,
-        body: RpcBody,
-        read_only: bool,
-    ) -> Result<Box<dyn Any + Send>, RpcError> {
-        let store = self.clone();
-        let handle = tokio::runtime::Handle::current();
-        tokio::task::spawn_blocking(move || -> Result<Box<dyn Any + Send>, RpcError> {
-            let db = |err: tokio_postgres::Error| RpcError::Store(StoreError::from(err));
-            let mut client = handle
-                .block_on(store.client())
-                .map_err(|err| RpcError::Store(StoreError::from(err)))?;
-            let tx = if read_only {
-                handle.block_on(
-                    client
-                        .build_transaction()
-                        .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
-                        .read_only(true)
-                        .start(),
-                )
-            } else {
-                handle.block_on(client.transaction())
-            }
-            .map_err(db)?;
-            if !read_only {
-                handle
-                    .block_on(tasks::lock_flow_or_its_name(&tx, &flow_id))
-                    .map_err(TxError::into_error)?;
-            }
-            let now = store.clock_now();
-            let result = {
-                let mut state = rpc::PgStateTx::new(&tx, handle.clone(), flow_id, now, read_only);
-                body(&mut state)
-            };
-            match result {
-                Ok(value) => {
-                    if !read_only {
-                        handle
-                            .block_on(store.notify(&tx))
-                            .map_err(TxError::into_error)?;
-                    }
-                    handle.block_on(tx.commit()).map_err(db)?;
-                    Ok(value)
-                }
-                Err(err) => {
-                    // Nothing of a refused RPC is kept.
-                    let _ = handle.block_on(tx.rollback());
-                    Err(err)
-                }
-            }
-        })
-        .await
-        .map_err(|err| {
-            RpcError::Store(StoreError::Backend(format!("an RPC did not finish: {err}")))
-        })?
-    }
-}
-
-/// A failed attempt: history, locks released, then retry, redeliver or
-/// give up (the SQLite backend documents each case).
-async fn fail_attempt<C: deadpool_postgres::GenericClient>(
-    tx: &C,
-    now: StoreMillis,
-    failure: &AttemptFailure,
-) -> TxResult<()> {
-    tasks::lock_flow(tx, &failure.flow_id).await?;
-    tasks::check_lease(
-        tx,
-        failure.task_id,
-        failure.lease_token,
-        failure.require_expired.then_some(now),
-    )
-    .await?;
-    history::insert_history(tx, &failure.flow_id, &failure.history).await?;
-    tasks::release_locks(tx, failure.task_id).await?;
-    match &failure.action {
-        FailureAction::Retry {
-            attempt,
-            not_before,
-        } => tasks::retry(tx, failure.task_id, *attempt, *not_before).await,
-        FailureAction::Redeliver => tasks::redeliver(tx, failure.task_id).await,
-        FailureAction::GiveUp { route, flow_error } => {
-            let flow_type = tasks::remove(tx, failure.task_id).await?;
-            match route {
-                Some(route) => {
-                    tasks::insert_task(tx, &failure.flow_id, &flow_type, route).await?;
-                    Ok(())
-                }
-                None => flows::fail_flow(tx, now, &failure.flow_id, flow_error).await,
-            }
-        }
     }
 }

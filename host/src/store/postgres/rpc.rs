@@ -9,8 +9,11 @@ use std::future::Future;
 use deadpool_postgres::Transaction;
 use tokio::runtime::Handle;
 
-use super::sql::{query_opt, TxResult};
-use crate::flow::store::{RpcError, StateTx, StoreError};
+use super::sql::{query_opt, TxError, TxResult};
+use super::PostgresStore;
+use std::any::Any;
+
+use crate::flow::store::{RpcBody, RpcError, StateTx, StoreError};
 use crate::flow::types::{FlowInfo, Json, MapQuery, StoreMillis, Versioned};
 
 /// One flow's state inside one transaction; for a read-only RPC, every
@@ -133,5 +136,68 @@ impl StateTx for PgStateTx<'_, '_> {
         query: &MapQuery,
     ) -> Result<Vec<(String, Versioned)>, StoreError> {
         self.run(super::state::read_map(self.tx, &self.flow_id, name, query))
+    }
+}
+
+impl PostgresStore {
+    /// Runs an RPC body on a blocking thread in one transaction: a write
+    /// RPC under the flow's lock, a read-only one in a repeatable-read
+    /// snapshot. The body runs once (it is not retried).
+    pub(super) async fn run_rpc(
+        &self,
+        flow_id: String,
+        body: RpcBody,
+        read_only: bool,
+    ) -> Result<Box<dyn Any + Send>, RpcError> {
+        let store = self.clone();
+        let handle = tokio::runtime::Handle::current();
+        tokio::task::spawn_blocking(move || -> Result<Box<dyn Any + Send>, RpcError> {
+            let db = |err: tokio_postgres::Error| RpcError::Store(StoreError::from(err));
+            let mut client = handle
+                .block_on(store.client())
+                .map_err(|err| RpcError::Store(StoreError::from(err)))?;
+            let tx = if read_only {
+                handle.block_on(
+                    client
+                        .build_transaction()
+                        .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
+                        .read_only(true)
+                        .start(),
+                )
+            } else {
+                handle.block_on(client.transaction())
+            }
+            .map_err(db)?;
+            if !read_only {
+                handle
+                    .block_on(super::tasks::lock_flow_or_its_name(&tx, &flow_id))
+                    .map_err(TxError::into_error)?;
+            }
+            let now = store.clock_now();
+            let result = {
+                let mut state = PgStateTx::new(&tx, handle.clone(), flow_id, now, read_only);
+                body(&mut state)
+            };
+            match result {
+                Ok(value) => {
+                    if !read_only {
+                        handle
+                            .block_on(store.notify(&tx))
+                            .map_err(TxError::into_error)?;
+                    }
+                    handle.block_on(tx.commit()).map_err(db)?;
+                    Ok(value)
+                }
+                Err(err) => {
+                    // Nothing of a refused RPC is kept.
+                    let _ = handle.block_on(tx.rollback());
+                    Err(err)
+                }
+            }
+        })
+        .await
+        .map_err(|err| {
+            RpcError::Store(StoreError::Backend(format!("an RPC did not finish: {err}")))
+        })?
     }
 }

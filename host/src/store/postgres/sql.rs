@@ -24,18 +24,32 @@ impl From<tokio_postgres::Error> for StoreError {
                 db.message(),
                 db.code().code()
             )),
-            None => match std::error::Error::source(&err) {
-                Some(source) => StoreError::Backend(format!("PostgreSQL: {err}: {source}")),
-                None => StoreError::Backend(format!("PostgreSQL: {err}")),
-            },
+            None => StoreError::Backend(format!("PostgreSQL: {}", chain(&err))),
         }
     }
 }
 
 impl From<deadpool_postgres::PoolError> for StoreError {
     fn from(err: deadpool_postgres::PoolError) -> Self {
-        StoreError::Backend(format!("PostgreSQL is unavailable: {err}"))
+        StoreError::Backend(format!("PostgreSQL is unavailable: {}", chain(&err)))
     }
+}
+
+/// An error with every source it carries ("error performing TLS handshake:
+/// invalid peer certificate: UnknownIssuer"), since the cause is what an
+/// operator needs and the outer message rarely says it.
+pub(super) fn chain(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        let next = cause.to_string();
+        if !text.contains(&next) {
+            text.push_str(": ");
+            text.push_str(&next);
+        }
+        source = cause.source();
+    }
+    text
 }
 
 /// Whether a failed transaction may simply run again: it was chosen as a

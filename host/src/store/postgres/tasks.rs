@@ -1,24 +1,19 @@
-//! Tasks and leases on PostgreSQL.
+//! Tasks on PostgreSQL: inserting, waking, fencing, committing and failing
+//! them (claims and leases are in `claims.rs`).
 //!
 //! Concurrency, which SQLite's single writer gives for free, is explicit
 //! here:
-//! - claims lock the tasks they take with `FOR UPDATE SKIP LOCKED`, so
-//!   workers on many machines never wait for each other nor take one task
-//!   twice;
 //! - every write that changes a flow's tasks, channels or state first locks
 //!   the flow's row ([`lock_flow`]), so that the writes of one flow apply one
 //!   at a time (a publish and a waiter's count cannot miss each other);
-//! - a claim that takes a task holding state locks takes the flow's row in
-//!   share mode, without waiting (`SKIP LOCKED`), so that an RPC checking
-//!   those locks and the claim cannot interleave, and a claim never waits
-//!   in a lock cycle.
+//! - a commit locks the flow's row before any task or stream row, the
+//!   order every writer of a flow follows.
 
 use deadpool_postgres::GenericClient;
 
-use super::sql::{execute, query, query_opt, TxResult};
-use super::state::channel_messages;
-use crate::flow::store::{ExpiredLease, StepCommit, StoreError};
-use crate::flow::types::{ClaimedTask, NewTask, StoreMillis};
+use super::sql::{execute, query_opt, TxResult};
+use crate::flow::store::{AttemptFailure, FailureAction, StepCommit, StoreError};
+use crate::flow::types::{NewTask, StoreMillis};
 use crate::store::rows::{decode_task, TaskRow, TaskRowRaw, TASK_COLUMNS};
 
 /// Locks `flow_id`'s row for the rest of the transaction; its type, or
@@ -130,7 +125,7 @@ pub(super) async fn drop_tasks<C: GenericClient>(tx: &C, flow_id: &str) -> TxRes
     Ok(())
 }
 
-fn task_row(row: &tokio_postgres::Row) -> Result<TaskRowRaw, StoreError> {
+pub(super) fn task_row(row: &tokio_postgres::Row) -> Result<TaskRowRaw, StoreError> {
     let task_id: i64 = row.get(0);
     let number = |value: i64, what: &str| {
         u32::try_from(value)
@@ -170,7 +165,10 @@ fn task_row(row: &tokio_postgres::Row) -> Result<TaskRowRaw, StoreError> {
 }
 
 /// A task, or `None` once it is gone.
-async fn load_task<C: GenericClient>(client: &C, task_id: i64) -> TxResult<Option<TaskRow>> {
+pub(super) async fn load_task<C: GenericClient>(
+    client: &C,
+    task_id: i64,
+) -> TxResult<Option<TaskRow>> {
     let row = query_opt(
         client,
         &format!("SELECT {TASK_COLUMNS} FROM tasks WHERE task_id = $1"),
@@ -205,217 +203,6 @@ pub(super) async fn record_output<C: GenericClient>(
     Ok(())
 }
 
-/// Whether any task of `flow_types` could be claimed now.
-pub(super) async fn any_claimable<C: GenericClient>(
-    client: &C,
-    now: StoreMillis,
-    flow_types: &[String],
-) -> TxResult<bool> {
-    let row = query_opt(
-        client,
-        "SELECT 1 FROM tasks
-         WHERE flow_type = ANY($1)
-           AND ((state = 'ready' AND not_before_ms <= $2) OR (state = 'waiting' AND wake_at_ms <= $2))
-         LIMIT 1",
-        &[&flow_types, &now],
-    )
-    .await?;
-    Ok(row.is_some())
-}
-
-/// Which tasks a claim may take.
-pub(super) enum ClaimScope<'a> {
-    /// Any flow of these types (the worker's poll).
-    FlowTypes(&'a [String]),
-    /// This flow only (a claim made with a commit).
-    Flow(&'a str),
-}
-
-/// How many of the oldest due tasks a claim weighs for fairness (at least).
-const FAIR_CLAIM_WINDOW: usize = 256;
-
-/// The fair order of the SQLite backend (fewest running Steps of a flow
-/// first, among the oldest due tasks), then locked with `SKIP LOCKED`:
-/// a task another worker is claiming right now is passed over, not waited
-/// for, and is re-checked as still due once locked.
-fn claim_sql(filter: &str) -> String {
-    format!(
-        "WITH due AS (
-           SELECT task_id, flow_id, not_before_ms FROM tasks AS t
-           WHERE {filter}
-             AND ((state = 'ready' AND not_before_ms <= $2) OR (state = 'waiting' AND wake_at_ms <= $2))
-           ORDER BY not_before_ms, task_id LIMIT $3),
-         ranked AS (
-           SELECT task_id, not_before_ms,
-                  ROW_NUMBER() OVER (PARTITION BY flow_id ORDER BY not_before_ms, task_id)
-                  + (SELECT COUNT(*) FROM tasks AS l WHERE l.flow_id = due.flow_id AND l.state = 'leased')
-                  AS score
-           FROM due)
-         SELECT t.task_id, t.flow_id, t.locks <> '[]' FROM tasks AS t JOIN ranked AS r ON r.task_id = t.task_id
-         WHERE (t.state = 'ready' AND t.not_before_ms <= $2) OR (t.state = 'waiting' AND t.wake_at_ms <= $2)
-         ORDER BY r.score, r.not_before_ms, t.task_id
-         LIMIT $4
-         FOR UPDATE OF t SKIP LOCKED"
-    )
-}
-
-pub(super) async fn claim<C: GenericClient>(
-    tx: &C,
-    now: StoreMillis,
-    worker_id: &str,
-    scope: ClaimScope<'_>,
-    max: usize,
-    lease_ms: i64,
-) -> TxResult<Vec<ClaimedTask>> {
-    let window = max.saturating_mul(4).max(FAIR_CLAIM_WINDOW) as i64;
-    // More candidates than it takes: one whose flow is busy is passed over
-    // for the next, not allowed to leave the claim empty.
-    let fetch = max.saturating_mul(4).max(4) as i64;
-    let candidates = match scope {
-        ClaimScope::FlowTypes(flow_types) => {
-            query(
-                tx,
-                &claim_sql("flow_type = ANY($1)"),
-                &[&flow_types, &now, &window, &fetch],
-            )
-            .await?
-        }
-        // A flow's next Step rides with its commit only on a sequential
-        // path (see the SQLite backend).
-        ClaimScope::Flow(flow_id) => {
-            query(
-                tx,
-                &claim_sql(
-                    "flow_id = $1 AND NOT EXISTS (SELECT 1 FROM tasks AS l
-                        WHERE l.flow_id = t.flow_id AND l.state = 'leased')",
-                ),
-                &[&flow_id, &now, &window, &fetch],
-            )
-            .await?
-        }
-    };
-    let mut ids = Vec::with_capacity(candidates.len());
-    for row in &candidates {
-        if ids.len() >= max {
-            break;
-        }
-        let (task_id, flow_id, has_locks): (i64, String, bool) =
-            (row.get(0), row.get(1), row.get(2));
-        if has_locks {
-            // A writer of this flow (an RPC checking its locks) is busy:
-            // leave the task for the next claim rather than wait.
-            let free = query_opt(
-                tx,
-                "SELECT 1 FROM flows WHERE flow_id = $1 FOR SHARE SKIP LOCKED",
-                &[&flow_id],
-            )
-            .await?;
-            if free.is_none() {
-                continue;
-            }
-        }
-        ids.push(task_id);
-    }
-    if ids.is_empty() {
-        return Ok(Vec::new());
-    }
-    let leased = query(
-        tx,
-        &format!(
-            "UPDATE tasks SET state = 'leased', lease_owner = $2, lease_token = lease_token + 1,
-                lease_expires_ms = $3, attempt_started_at_ms = $4,
-                first_attempt_at_ms = COALESCE(first_attempt_at_ms, $4), output_recorded = FALSE,
-                timer_fired = (wake_at_ms IS NOT NULL AND wake_at_ms <= $4)
-             WHERE task_id = ANY($1) RETURNING {TASK_COLUMNS}"
-        ),
-        &[&ids, &worker_id, &(now + lease_ms), &now],
-    )
-    .await?;
-    let mut rows = leased
-        .iter()
-        .map(|row| decode_task(task_row(row)?))
-        .collect::<Result<Vec<TaskRow>, StoreError>>()?;
-    // In the fair order the candidates came in.
-    rows.sort_by_key(|row| ids.iter().position(|id| *id == row.task.task_id));
-    let mut claimed = Vec::with_capacity(rows.len());
-    for TaskRow { mut task, wait, .. } in rows {
-        if let Some((channel, key, count)) = wait {
-            let messages = channel_messages(tx, &task.flow_id, &channel, &key, count).await?;
-            // A timer can wake the task before the condition holds; then it
-            // gets no messages.
-            if messages.len() as u32 >= count {
-                task.messages = messages;
-            }
-        }
-        for name in &task.locks {
-            execute(
-                tx,
-                "INSERT INTO state_locks (flow_id, name, task_id) VALUES ($1, $2, $3)
-                 ON CONFLICT DO NOTHING",
-                &[&task.flow_id, name, &task.task_id],
-            )
-            .await?;
-        }
-        claimed.push(task);
-    }
-    Ok(claimed)
-}
-
-/// Extends the leases `worker_id` holds; returns the pairs it lost.
-///
-/// A row another transaction holds right now (this worker's own commit of
-/// it, a reaper deciding about it) is passed over, not waited for: waiting
-/// could close a cycle with a commit that drops a flow's tasks. Such a row
-/// counts as lost only if it is no longer this worker's lease; otherwise the
-/// next renewal takes it.
-pub(super) async fn renew_leases<C: GenericClient>(
-    client: &C,
-    now: StoreMillis,
-    worker_id: &str,
-    held: &[(i64, i64)],
-    lease_ms: i64,
-) -> TxResult<Vec<(i64, i64)>> {
-    let ids: Vec<i64> = held.iter().map(|(id, _)| *id).collect();
-    let tokens: Vec<i64> = held.iter().map(|(_, token)| *token).collect();
-    let renewed = query(
-        client,
-        "UPDATE tasks AS t SET lease_expires_ms = $1
-         FROM unnest($2::bigint[], $3::bigint[]) AS h(task_id, lease_token)
-         WHERE t.task_id = h.task_id AND t.lease_token = h.lease_token
-           AND t.state = 'leased' AND t.lease_owner = $4
-           AND t.task_id IN (SELECT task_id FROM tasks WHERE task_id = ANY($2)
-                             FOR UPDATE SKIP LOCKED)
-         RETURNING t.task_id, t.lease_token",
-        &[&(now + lease_ms), &ids, &tokens, &worker_id],
-    )
-    .await?;
-    let kept: std::collections::HashSet<(i64, i64)> =
-        renewed.iter().map(|row| (row.get(0), row.get(1))).collect();
-    let missing: Vec<(i64, i64)> = held
-        .iter()
-        .copied()
-        .filter(|pair| !kept.contains(pair))
-        .collect();
-    if missing.is_empty() {
-        return Ok(Vec::new());
-    }
-    let missing_ids: Vec<i64> = missing.iter().map(|(id, _)| *id).collect();
-    let still_ours: std::collections::HashSet<(i64, i64)> = query(
-        client,
-        "SELECT task_id, lease_token FROM tasks
-         WHERE task_id = ANY($1) AND state = 'leased' AND lease_owner = $2",
-        &[&missing_ids, &worker_id],
-    )
-    .await?
-    .iter()
-    .map(|row| (row.get(0), row.get(1)))
-    .collect();
-    Ok(missing
-        .into_iter()
-        .filter(|pair| !still_ours.contains(pair))
-        .collect())
-}
-
 /// Refuses unless `task_id` is leased under `lease_token` (and, for the
 /// reaper, its lease has run out by `expired_by`); locks the task's row.
 pub(super) async fn check_lease<C: GenericClient>(
@@ -440,11 +227,12 @@ pub(super) async fn check_lease<C: GenericClient>(
 }
 
 /// Applies a Step's commit; the caller holds the flow's lock.
+/// Returns how many of its next tasks are ready at once (not waiting).
 pub(super) async fn commit_step<C: GenericClient>(
     tx: &C,
     now: StoreMillis,
     commit: &StepCommit,
-) -> TxResult<()> {
+) -> TxResult<usize> {
     let flow_id = commit.flow_id.as_str();
     // Fences, finds the flow type and removes the task in one statement.
     let removed = query_opt(
@@ -490,9 +278,13 @@ pub(super) async fn commit_step<C: GenericClient>(
         &[&commit.task_id],
     )
     .await?;
+    let mut ready = 0;
     if !commit.complete_flow {
         for task in &commit.next {
             insert_task(tx, flow_id, &flow_type, task).await?;
+            if task.wait.is_none() {
+                ready += 1;
+            }
         }
     }
     let done = commit.complete_flow
@@ -513,52 +305,7 @@ pub(super) async fn commit_step<C: GenericClient>(
         )
         .await?;
     }
-    Ok(())
-}
-
-/// Tasks of `flow_types` whose lease has run out.
-pub(super) async fn expired_leases<C: GenericClient>(
-    client: &C,
-    now: StoreMillis,
-    flow_types: &[String],
-    limit: usize,
-) -> TxResult<Vec<ExpiredLease>> {
-    let rows = query(
-        client,
-        "SELECT task_id FROM tasks WHERE state = 'leased' AND lease_expires_ms <= $1
-           AND flow_type = ANY($2) ORDER BY lease_expires_ms LIMIT $3",
-        &[&now, &flow_types, &(limit as i64)],
-    )
-    .await?;
-    let mut expired = Vec::with_capacity(rows.len());
-    for row in rows {
-        // A task committed since the first read is simply gone.
-        let task_id: i64 = row.get(0);
-        if let Some(row) = load_task(client, task_id).await? {
-            expired.push(ExpiredLease {
-                task: row.task,
-                output_recorded: row.output_recorded,
-            });
-        }
-    }
-    Ok(expired)
-}
-
-/// The earliest time a task of `flow_types` becomes due, if any.
-pub(super) async fn next_due<C: GenericClient>(
-    client: &C,
-    flow_types: &[String],
-) -> TxResult<Option<StoreMillis>> {
-    let row = super::sql::query_one(
-        client,
-        "SELECT LEAST(
-           (SELECT MIN(not_before_ms) FROM tasks WHERE state = 'ready' AND flow_type = ANY($1)),
-           (SELECT MIN(wake_at_ms) FROM tasks WHERE state = 'waiting' AND flow_type = ANY($1)),
-           (SELECT MIN(lease_expires_ms) FROM tasks WHERE state = 'leased' AND flow_type = ANY($1)))",
-        &[&flow_types],
-    )
-    .await?;
-    Ok(row.get(0))
+    Ok(ready)
 }
 
 /// Releases the state locks a task held.
@@ -617,4 +364,40 @@ pub(super) async fn remove<C: GenericClient>(tx: &C, task_id: i64) -> TxResult<S
     )
     .await?;
     Ok(row.get(0))
+}
+
+/// A failed attempt: history, locks released, then retry, redeliver or
+/// give up (the SQLite backend documents each case).
+pub(super) async fn fail_attempt<C: GenericClient>(
+    tx: &C,
+    now: StoreMillis,
+    failure: &AttemptFailure,
+) -> TxResult<()> {
+    lock_flow(tx, &failure.flow_id).await?;
+    check_lease(
+        tx,
+        failure.task_id,
+        failure.lease_token,
+        failure.require_expired.then_some(now),
+    )
+    .await?;
+    super::history::insert_history(tx, &failure.flow_id, &failure.history).await?;
+    release_locks(tx, failure.task_id).await?;
+    match &failure.action {
+        FailureAction::Retry {
+            attempt,
+            not_before,
+        } => retry(tx, failure.task_id, *attempt, *not_before).await,
+        FailureAction::Redeliver => redeliver(tx, failure.task_id).await,
+        FailureAction::GiveUp { route, flow_error } => {
+            let flow_type = remove(tx, failure.task_id).await?;
+            match route {
+                Some(route) => {
+                    insert_task(tx, &failure.flow_id, &flow_type, route).await?;
+                    Ok(())
+                }
+                None => super::flows::fail_flow(tx, now, &failure.flow_id, flow_error).await,
+            }
+        }
+    }
 }

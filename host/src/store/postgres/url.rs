@@ -378,6 +378,30 @@ mod tests {
     }
 
     #[test]
+    fn the_password_comes_from_the_named_file_without_its_newline() {
+        let dir = tempfile::tempdir().unwrap_or_else(|err| panic!("{err}"));
+        let file = dir.path().join("pw");
+        std::fs::write(&file, "s3cret\n").unwrap_or_else(|err| panic!("{err}"));
+        let text = format!("postgres://dexa@db/dexa?password_file={}", file.display());
+        let url = PostgresUrl::parse_with(&text, no_env).unwrap_or_else(|err| panic!("{err}"));
+        assert_eq!(url.config.get_password(), Some(&b"s3cret"[..]));
+        let missing = format!(
+            "postgres://dexa@db/dexa?password_file={}/nope",
+            dir.path().display()
+        );
+        let err = PostgresUrl::parse_with(&missing, no_env)
+            .map(|_| ())
+            .unwrap_err();
+        assert!(err.contains("cannot read the password file"), "{err}");
+        // PGPASSWORD is the fallback when neither is named.
+        let url = PostgresUrl::parse_with("postgres://dexa@db/dexa", |name| {
+            (name == "PGPASSWORD").then(|| "from-env".to_string())
+        })
+        .unwrap_or_else(|err| panic!("{err}"));
+        assert_eq!(url.config.get_password(), Some(&b"from-env"[..]));
+    }
+
+    #[test]
     fn bad_parameters_are_named() {
         for (text, expected) in [
             ("postgres://db/x?sslmode=always", "sslmode must be"),
