@@ -182,8 +182,13 @@ async fn run_one(
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    // Gone before the schema is dropped: a killed worker's connections must
+    // close first, or the drop waits on their locks.
     for child in &mut children {
         let _ = child.start_kill();
+    }
+    for child in &mut children {
+        let _ = child.wait().await;
     }
     let (mut first, mut last) = (i64::MAX, i64::MIN);
     let mut overhead = Vec::new();

@@ -46,30 +46,25 @@ pub(super) enum ClaimScope<'a> {
 /// How many of the oldest due tasks a claim weighs for fairness (at least).
 const FAIR_CLAIM_WINDOW: usize = 256;
 
-/// The fair order of the SQLite backend (fewest running Steps of a flow
-/// first, among the oldest due tasks), then locked with `SKIP LOCKED`:
-/// a task another worker is claiming right now is passed over, not waited
-/// for, and is re-checked as still due once locked.
-fn claim_sql(filter: &str) -> String {
-    format!(
-        "WITH due AS (
-           SELECT task_id, flow_id, not_before_ms FROM tasks AS t
-           WHERE {filter}
-             AND ((state = 'ready' AND not_before_ms <= $2) OR (state = 'waiting' AND wake_at_ms <= $2))
-           ORDER BY not_before_ms, task_id LIMIT $3),
-         ranked AS (
-           SELECT task_id, not_before_ms,
-                  ROW_NUMBER() OVER (PARTITION BY flow_id ORDER BY not_before_ms, task_id)
-                  + (SELECT COUNT(*) FROM tasks AS l WHERE l.flow_id = due.flow_id AND l.state = 'leased')
-                  AS score
-           FROM due)
-         SELECT t.task_id, t.flow_id, t.locks <> '[]' FROM tasks AS t JOIN ranked AS r ON r.task_id = t.task_id
-         WHERE (t.state = 'ready' AND t.not_before_ms <= $2) OR (t.state = 'waiting' AND t.wake_at_ms <= $2)
-         ORDER BY r.score, r.not_before_ms, t.task_id
-         LIMIT $4
-         FOR UPDATE OF t SKIP LOCKED"
-    )
-}
+/// The fair order of the SQLite backend: among the oldest due tasks (the
+/// window), fewest running Steps of a flow first, counting those the claim
+/// takes before it. Read without locks, once: each part is materialized,
+/// so no plan can recompute the window per row (one did, for minutes).
+const FAIR_ORDER: &str = "
+    WITH due AS MATERIALIZED (
+      SELECT task_id, flow_id, not_before_ms FROM tasks
+      WHERE flow_type = ANY($1)
+        AND ((state = 'ready' AND not_before_ms <= $2) OR (state = 'waiting' AND wake_at_ms <= $2))
+      ORDER BY not_before_ms, task_id LIMIT $3),
+    running AS MATERIALIZED (
+      SELECT flow_id, COUNT(*) AS n FROM tasks
+      WHERE flow_id IN (SELECT flow_id FROM due) AND state = 'leased'
+      GROUP BY flow_id)
+    SELECT due.task_id FROM due LEFT JOIN running ON running.flow_id = due.flow_id
+    ORDER BY ROW_NUMBER() OVER (PARTITION BY due.flow_id ORDER BY due.not_before_ms, due.task_id)
+               + COALESCE(running.n, 0),
+             due.not_before_ms, due.task_id
+    LIMIT $4";
 
 /// What a claim sets on the tasks it leases ($2 the owner, $3 the lease's
 /// end, $4 now).
@@ -131,12 +126,27 @@ async fn claim_fairly<C: GenericClient>(
     // More candidates than it takes: one whose flow is busy is passed over
     // for the next, not allowed to leave the claim empty.
     let fetch = max.saturating_mul(4).max(4) as i64;
-    let candidates = query(
+    let order: Vec<i64> = query(tx, FAIR_ORDER, &[&flow_types, &now, &window, &fetch])
+        .await?
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    if order.is_empty() {
+        return Ok(Vec::new());
+    }
+    // Then locked, by key: a task another worker is claiming right now is
+    // passed over, not waited for, and one taken since the read is
+    // re-checked as no longer due.
+    let mut candidates = query(
         tx,
-        &claim_sql("flow_type = ANY($1)"),
-        &[&flow_types, &now, &window, &fetch],
+        "SELECT task_id, flow_id, locks <> '[]' FROM tasks
+         WHERE task_id = ANY($1)
+           AND ((state = 'ready' AND not_before_ms <= $2) OR (state = 'waiting' AND wake_at_ms <= $2))
+         FOR UPDATE SKIP LOCKED",
+        &[&order, &now],
     )
     .await?;
+    candidates.sort_by_key(|row| order.iter().position(|id| *id == row.get::<_, i64>(0)));
     let mut ids = Vec::with_capacity(candidates.len());
     for row in &candidates {
         if ids.len() >= max {
@@ -198,8 +208,10 @@ async fn claim_in_flow<C: GenericClient>(
                WHERE t.flow_id = $1
                  AND ((t.state = 'ready' AND t.not_before_ms <= $4)
                       OR (t.state = 'waiting' AND t.wake_at_ms <= $4))
+                 -- Through the flow's index: written `state || ''`, the check
+                 -- cannot pick the index of every lease (a scan of all of them).
                  AND NOT EXISTS (SELECT 1 FROM tasks AS l
-                                 WHERE l.flow_id = t.flow_id AND l.state = 'leased')
+                                 WHERE l.flow_id = t.flow_id AND l.state || '' = 'leased')
                ORDER BY t.not_before_ms, t.task_id
                LIMIT $5
                FOR UPDATE SKIP LOCKED)

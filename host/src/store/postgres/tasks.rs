@@ -234,15 +234,42 @@ pub(super) async fn commit_step<C: GenericClient>(
     commit: &StepCommit,
 ) -> TxResult<usize> {
     let flow_id = commit.flow_id.as_str();
-    // Fences, finds the flow type and removes the task in one statement.
+    // Fences, removes the task, records its history entry and finds the
+    // flow type and the task's locks, in one statement: a commit is a few
+    // round trips, and each one counts on a busy database.
+    let entry = &commit.history;
+    let detail = entry.detail.as_deref().filter(|d| !d.is_empty());
     let removed = query_opt(
         tx,
-        "DELETE FROM tasks WHERE task_id = $1 AND lease_token = $2 AND state = 'leased'
-         RETURNING flow_type",
-        &[&commit.task_id, &commit.lease_token],
+        "WITH fenced AS (
+           DELETE FROM tasks WHERE task_id = $1 AND lease_token = $2 AND state = 'leased'
+           RETURNING flow_type, locks),
+         recorded AS (
+           INSERT INTO step_history (flow_id, event_type, step_type, step_execution_id,
+               attempt, at_ms, detail, started_at_ms, component)
+           SELECT $3::text, $4::text, $5::text, $6::text, $7::bigint, $8::bigint, $9::text,
+                  $10::bigint, $11::text
+           FROM fenced
+           RETURNING 1)
+         SELECT flow_type, locks <> '[]', (SELECT COUNT(*) FROM recorded) FROM fenced",
+        &[
+            &commit.task_id,
+            &commit.lease_token,
+            &flow_id,
+            &entry.event_type,
+            &entry.step_type,
+            &entry.step_execution_id,
+            &i64::from(entry.final_attempt),
+            &entry.at,
+            &detail,
+            &entry.started_at,
+            &entry.component,
+        ],
     )
     .await?;
-    let Some(flow_type) = removed.map(|row| row.get::<_, String>(0)) else {
+    let Some((flow_type, had_locks)) =
+        removed.map(|row| (row.get::<_, String>(0), row.get::<_, bool>(1)))
+    else {
         return Err(StoreError::StaleLease {
             task_id: commit.task_id,
         }
@@ -271,13 +298,9 @@ pub(super) async fn commit_step<C: GenericClient>(
     for write in &commit.writes {
         super::state::apply_write(tx, now, flow_id, write).await?;
     }
-    super::history::insert_history(tx, flow_id, &commit.history).await?;
-    execute(
-        tx,
-        "DELETE FROM state_locks WHERE task_id = $1",
-        &[&commit.task_id],
-    )
-    .await?;
+    if had_locks {
+        release_locks(tx, commit.task_id).await?;
+    }
     let mut ready = 0;
     if !commit.complete_flow {
         for task in &commit.next {
