@@ -27,7 +27,8 @@ pub struct CopyArgs {
     pub from: String,
     /// The target: postgres://...
     pub to: String,
-    /// Empty a non-empty target first (everything in it is lost).
+    /// Empty a non-empty target first (everything in it is lost). Stop the
+    /// target's workers too: the copy holds its tables for its whole run.
     #[arg(long)]
     pub replace: bool,
 }

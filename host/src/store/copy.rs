@@ -4,7 +4,8 @@
 //! The copy is table by table, the same tables and columns on both sides
 //! ([`TABLES`]), so every session keeps its state, messages, events, history,
 //! timers and leases exactly. The source is read in one snapshot, in batches
-//! (memory stays bounded by a few batches whatever the store's size), and
+//! of at most [`BATCH_ROWS`] rows and about [`BATCH_BYTES`] (memory stays
+//! bounded by a few batches whatever the store's size), and
 //! the target is written in one transaction: a copy that fails leaves the
 //! target as it was. At the end the target's row counts must equal the
 //! source's, or nothing is kept.
@@ -199,8 +200,13 @@ pub enum Batch {
     Done(&'static TableSpec, u64),
 }
 
-/// Rows per batch; a batch is one multi-row insert on the target.
+/// Rows per batch at most; a batch is one multi-row insert on the target.
 pub const BATCH_ROWS: usize = 500;
+
+/// Bytes per batch at most (roughly: the text and blobs it carries), so
+/// that a few big rows make a batch of their own; a single row larger than
+/// this is a batch alone.
+pub const BATCH_BYTES: usize = 8 << 20;
 
 /// What a copy moved: rows per table, equal on both sides.
 #[derive(Debug, Default)]

@@ -17,22 +17,27 @@ use crate::flow::store::{ExpiredLease, StoreError};
 use crate::flow::types::{ClaimedTask, StoreMillis};
 use crate::store::rows::{decode_task, TaskRow, TASK_COLUMNS};
 
-/// Whether any task of `flow_types` could be claimed now.
+/// Whether any task of `flow_types` could be claimed now. Written as two
+/// index minimums: a `LIMIT 1` over both states becomes, in the generic plan
+/// a prepared statement settles on, a scan of the whole table (every
+/// session waiting for its next message is a row), on the path that most
+/// often finds nothing.
 pub(super) async fn any_claimable<C: GenericClient>(
     client: &C,
     now: StoreMillis,
     flow_types: &[String],
 ) -> TxResult<bool> {
-    let row = query_opt(
+    let row = super::sql::query_one(
         client,
-        "SELECT 1 FROM tasks
-         WHERE flow_type = ANY($1)
-           AND ((state = 'ready' AND not_before_ms <= $2) OR (state = 'waiting' AND wake_at_ms <= $2))
-         LIMIT 1",
+        "SELECT COALESCE((SELECT MIN(not_before_ms) FROM tasks
+                          WHERE state = 'ready' AND flow_type = ANY($1)) <= $2, FALSE)
+             OR COALESCE((SELECT MIN(wake_at_ms) FROM tasks
+                          WHERE state = 'waiting' AND wake_at_ms IS NOT NULL
+                            AND flow_type = ANY($1)) <= $2, FALSE)",
         &[&flow_types, &now],
     )
     .await?;
-    Ok(row.is_some())
+    Ok(row.get(0))
 }
 
 /// Which tasks a claim may take.
@@ -49,12 +54,19 @@ const FAIR_CLAIM_WINDOW: usize = 256;
 /// The fair order of the SQLite backend: among the oldest due tasks (the
 /// window), fewest running Steps of a flow first, counting those the claim
 /// takes before it. Read without locks, once: each part is materialized,
-/// so no plan can recompute the window per row (one did, for minutes).
+/// so no plan can recompute the window per row (one did, for minutes), and
+/// each state's due tasks come from its own index in order, so a backlog
+/// costs the window, not the backlog.
 const FAIR_ORDER: &str = "
     WITH due AS MATERIALIZED (
-      SELECT task_id, flow_id, not_before_ms FROM tasks
-      WHERE flow_type = ANY($1)
-        AND ((state = 'ready' AND not_before_ms <= $2) OR (state = 'waiting' AND wake_at_ms <= $2))
+      SELECT * FROM (
+        (SELECT task_id, flow_id, not_before_ms FROM tasks
+         WHERE state = 'ready' AND not_before_ms <= $2 AND flow_type = ANY($1)
+         ORDER BY not_before_ms, task_id LIMIT $3)
+        UNION ALL
+        (SELECT task_id, flow_id, not_before_ms FROM tasks
+         WHERE state = 'waiting' AND wake_at_ms <= $2 AND flow_type = ANY($1)
+         ORDER BY not_before_ms, task_id LIMIT $3)) AS either
       ORDER BY not_before_ms, task_id LIMIT $3),
     running AS MATERIALIZED (
       SELECT flow_id, COUNT(*) AS n FROM tasks
@@ -321,7 +333,8 @@ pub(super) async fn next_due<C: GenericClient>(
         client,
         "SELECT LEAST(
            (SELECT MIN(not_before_ms) FROM tasks WHERE state = 'ready' AND flow_type = ANY($1)),
-           (SELECT MIN(wake_at_ms) FROM tasks WHERE state = 'waiting' AND flow_type = ANY($1)),
+           (SELECT MIN(wake_at_ms) FROM tasks
+            WHERE state = 'waiting' AND wake_at_ms IS NOT NULL AND flow_type = ANY($1)),
            (SELECT MIN(lease_expires_ms) FROM tasks WHERE state = 'leased' AND flow_type = ANY($1)))",
         &[&flow_types],
     )

@@ -32,6 +32,9 @@ use crate::flow::{StoreError, StoreMillis};
 /// How often the clock is read from the database.
 pub const CLOCK_SYNC: Duration = Duration::from_secs(2);
 
+/// A reading whose round trip took longer than twice this is not used.
+const MAX_CLOCK_HALF_TRIP: Duration = Duration::from_millis(100);
+
 /// The database's clock, carried forward by the local monotonic clock.
 ///
 /// Each reading replaces the base, so an error never accumulates (a local
@@ -246,6 +249,12 @@ async fn run(
                 // Bounded: a connection that went quiet (half-open TCP) is
                 // replaced rather than waited on.
                 _ = sync.tick() => match tokio::time::timeout(CLOCK_SYNC * 3, read_clock(&client)).await {
+                    // A slow answer cannot say when the server read its
+                    // clock (up to half the round trip off), and the floor
+                    // would keep a reading that ran ahead: keep the last.
+                    Ok(Ok((_, at))) if at.elapsed() > MAX_CLOCK_HALF_TRIP => {
+                        tracing::debug!("a slow PostgreSQL clock reading was not used");
+                    }
                     Ok(Ok((db_ms, at))) => clock.set(db_ms, at),
                     Ok(Err(err)) => {
                         tracing::debug!(error = %err, "cannot read the PostgreSQL clock");

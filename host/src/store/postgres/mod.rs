@@ -269,15 +269,14 @@ impl FlowStore for PostgresStore {
             .writes
             .iter()
             .any(|write| matches!(write, StateWrite::Append { .. }));
-        // A publish can make waiting tasks ready; next tasks are ready unless
-        // they wait.
+        // A publish can make waiting tasks ready.
         let publishes = commit
             .writes
             .iter()
             .any(|write| matches!(write, StateWrite::Publish { .. }));
         let (claimed, woke) = in_tx!(self, false, |tx, now| {
             tasks::lock_flow(&tx, &commit.flow_id).await?;
-            let ready = tasks::commit_step(&tx, now, commit).await?;
+            let inserted = tasks::commit_step(&tx, now, commit).await?;
             if appends {
                 self.notify_stream(&tx, &commit.flow_id).await?;
             }
@@ -295,11 +294,16 @@ impl FlowStore for PostgresStore {
                 }
                 _ => Vec::new(),
             };
-            // Workers elsewhere are woken only for work this commit did not
-            // take itself: a sequential flow's next Step, leased with the
+            // Workers elsewhere are woken only when this commit leaves them
+            // something: a sequential flow's next Step, leased with the
             // commit, costs no NOTIFY (whose commit-time lock every
-            // notifying transaction of the database shares) and wakes no one.
-            let woke = publishes || ready > claimed.len();
+            // notifying transaction of the database shares) and wakes no
+            // one. Any other new task (ready, waiting on a timer, or on
+            // messages already there) wakes them, as does a publish.
+            let woke = publishes
+                || inserted
+                    .iter()
+                    .any(|id| !claimed.iter().any(|task| task.task_id == *id));
             if woke {
                 self.notify(&tx).await?;
             }

@@ -56,7 +56,8 @@ CREATE TABLE IF NOT EXISTS tasks (
 -- so each index is paid on every Step: the due indexes are partial (a row
 -- is in the one its state needs), and one index serves a flow's lookups.
 CREATE INDEX IF NOT EXISTS tasks_ready ON tasks (not_before_ms) WHERE state = 'ready';
-CREATE INDEX IF NOT EXISTS tasks_waking ON tasks (wake_at_ms) WHERE state = 'waiting';
+CREATE INDEX IF NOT EXISTS tasks_waking ON tasks (wake_at_ms)
+    WHERE state = 'waiting' AND wake_at_ms IS NOT NULL;
 CREATE INDEX IF NOT EXISTS tasks_leased ON tasks (lease_expires_ms) WHERE state = 'leased';
 CREATE INDEX IF NOT EXISTS tasks_by_flow_state ON tasks (flow_id, state);
 

@@ -227,12 +227,12 @@ pub(super) async fn check_lease<C: GenericClient>(
 }
 
 /// Applies a Step's commit; the caller holds the flow's lock.
-/// Returns how many of its next tasks are ready at once (not waiting).
+/// Returns the ids of the next tasks it inserted.
 pub(super) async fn commit_step<C: GenericClient>(
     tx: &C,
     now: StoreMillis,
     commit: &StepCommit,
-) -> TxResult<usize> {
+) -> TxResult<Vec<i64>> {
     let flow_id = commit.flow_id.as_str();
     // Fences, removes the task, records its history entry and finds the
     // flow type and the task's locks, in one statement: a commit is a few
@@ -301,13 +301,10 @@ pub(super) async fn commit_step<C: GenericClient>(
     if had_locks {
         release_locks(tx, commit.task_id).await?;
     }
-    let mut ready = 0;
+    let mut inserted = Vec::with_capacity(commit.next.len());
     if !commit.complete_flow {
         for task in &commit.next {
-            insert_task(tx, flow_id, &flow_type, task).await?;
-            if task.wait.is_none() {
-                ready += 1;
-            }
+            inserted.push(insert_task(tx, flow_id, &flow_type, task).await?);
         }
     }
     let done = commit.complete_flow
@@ -328,7 +325,7 @@ pub(super) async fn commit_step<C: GenericClient>(
         )
         .await?;
     }
-    Ok(ready)
+    Ok(inserted)
 }
 
 /// Releases the state locks a task held.

@@ -6,7 +6,7 @@ use tokio::sync::mpsc::Sender;
 use super::connection::open_reader;
 use super::SqliteStore;
 use crate::flow::StoreError;
-use crate::store::copy::{Batch, Cell, Kind, TableSpec, BATCH_ROWS, TABLES};
+use crate::store::copy::{Batch, Cell, Kind, TableSpec, BATCH_BYTES, BATCH_ROWS, TABLES};
 
 impl SqliteStore {
     /// Sends every table's rows in batches, all from one snapshot, then each
@@ -21,15 +21,25 @@ impl SqliteStore {
             let mut stmt = tx.prepare(&sql)?;
             let mut rows = stmt.query([])?;
             let mut batch = Vec::with_capacity(BATCH_ROWS);
+            let mut bytes = 0usize;
             let mut count = 0u64;
             while let Some(row) = rows.next()? {
                 let mut cells = Vec::with_capacity(spec.columns.len());
                 for (index, (column, kind)) in spec.columns.iter().enumerate() {
-                    cells.push(cell(spec, column, *kind, row.get_ref(index)?)?);
+                    let cell = cell(spec, column, *kind, row.get_ref(index)?)?;
+                    bytes += match &cell {
+                        Cell::Text(text) => text.len(),
+                        Cell::Bytes(blob) => blob.len(),
+                        _ => 8,
+                    };
+                    cells.push(cell);
                 }
                 batch.push(cells);
                 count += 1;
-                if batch.len() == BATCH_ROWS {
+                // By rows and by bytes: a table of big components must not
+                // become one message of a gigabyte.
+                if batch.len() == BATCH_ROWS || bytes >= BATCH_BYTES {
+                    bytes = 0;
                     let full = std::mem::replace(&mut batch, Vec::with_capacity(BATCH_ROWS));
                     if batches.blocking_send(Batch::Rows(spec, full)).is_err() {
                         return Ok(());
