@@ -946,6 +946,189 @@ async fn claims_favour_flows_running_fewer_steps(factory: &dyn StoreFactory) {
     );
 }
 
+/// A commit that asks for the flow's next task leases it only when the
+/// flow runs nothing else and has no older due task: then it is the task a
+/// claim right after would take (the PostgreSQL backend inserts it leased),
+/// and its lease is a real one. Otherwise the new task waits for a claim,
+/// and an older due task goes first.
+async fn a_commit_leases_its_next_step_only_when_the_flow_runs_nothing_else(
+    factory: &dyn StoreFactory,
+) {
+    let stack = Stack::new(factory);
+    let types = vec!["Noop".to_string()];
+    let now = stack.store.now().await.expect("now");
+    let step = |n: usize| NewTask {
+        step_type: "Step".into(),
+        input: json!({"n": n}),
+        wait: None,
+        policy: RetryPolicy::default(),
+        failure_route: None,
+        failure: None,
+        locks: Vec::new(),
+        not_before: now,
+    };
+    let commit = |task: &dexa::flow::ClaimedTask, next: Vec<NewTask>, claim: bool| StepCommit {
+        task_id: task.task_id,
+        lease_token: task.lease_token,
+        flow_id: task.flow_id.clone(),
+        consumed: vec![],
+        writes: vec![],
+        next,
+        complete_flow: false,
+        history: StepHistoryEntry {
+            event_type: EXECUTE_COMPLETED.into(),
+            step_type: task.step_type.clone(),
+            step_execution_id: task.step_execution_id.clone(),
+            final_attempt: task.attempt,
+            at: now,
+            detail: None,
+            started_at: None,
+            component: None,
+        },
+        claim_next: claim.then(|| dexa::flow::store::ClaimNext {
+            worker_id: "w".into(),
+            max: 1,
+            lease_ms: 10_000,
+        }),
+    };
+    let input = |task: &dexa::flow::ClaimedTask| task.input["n"].as_u64();
+
+    // Sequential: the next Step comes leased with the commit, and its lease
+    // fences like any other.
+    stack
+        .client
+        .start_flow("Noop", "solo", json!({}))
+        .await
+        .expect("start");
+    let first = claim_one(&stack, "w", &types, 10_000)
+        .await
+        .expect("solo's first");
+    let leased = stack
+        .store
+        .commit_step(commit(&first, vec![step(1)], true))
+        .await
+        .expect("commit");
+    assert_eq!(leased.len(), 1, "the next Step is leased with the commit");
+    assert_eq!(input(&leased[0]), Some(1));
+    assert_eq!(leased[0].attempt, 1);
+    assert!(
+        claim_one(&stack, "other", &types, 10_000).await.is_none(),
+        "a leased task is not claimed again"
+    );
+    let lost = stack
+        .store
+        .renew_leases("w", &[(leased[0].task_id, leased[0].lease_token)], 10_000)
+        .await
+        .expect("renew");
+    assert!(lost.is_empty(), "the lease is this worker's");
+    let stale = dexa::flow::ClaimedTask {
+        lease_token: leased[0].lease_token + 1,
+        ..leased[0].clone()
+    };
+    assert!(
+        matches!(
+            stack
+                .store
+                .commit_step(commit(&stale, vec![step(99)], true))
+                .await,
+            Err(StoreError::StaleLease { .. })
+        ),
+        "another token is fenced out"
+    );
+    assert!(
+        claim_one(&stack, "other", &types, 10_000).await.is_none(),
+        "a refused commit adds no task, though its insert ran after the fence"
+    );
+    let done = stack
+        .store
+        .commit_step(commit(&leased[0], vec![], true))
+        .await
+        .expect("the leased Step commits");
+    assert!(done.is_empty());
+    let info = stack
+        .client
+        .flow("solo")
+        .await
+        .expect("flow")
+        .expect("exists");
+    assert_eq!(info.status, FlowStatus::Completed);
+
+    // Another Step of the flow runs: the new task waits for a claim.
+    stack
+        .client
+        .start_flow("Noop", "pair", json!({}))
+        .await
+        .expect("start");
+    let first = claim_one(&stack, "w", &types, 10_000)
+        .await
+        .expect("pair's first");
+    stack
+        .store
+        .commit_step(commit(&first, vec![step(10), step(11)], false))
+        .await
+        .expect("fan out");
+    let a = claim_one(&stack, "w", &types, 10_000).await.expect("a");
+    let b = claim_one(&stack, "w", &types, 10_000).await.expect("b");
+    let with_commit = stack
+        .store
+        .commit_step(commit(&b, vec![step(12)], true))
+        .await
+        .expect("commit b");
+    assert!(with_commit.is_empty(), "the flow still runs a Step");
+    let c = claim_one(&stack, "w", &types, 10_000)
+        .await
+        .expect("the new task is ready for a claim");
+    assert_eq!(input(&c), Some(12));
+    for task in [&a, &c] {
+        stack
+            .store
+            .commit_step(commit(task, vec![], false))
+            .await
+            .expect("finish");
+    }
+
+    // An older task of the flow is due: the commit's claim takes it first.
+    stack
+        .client
+        .start_flow("Noop", "queue", json!({}))
+        .await
+        .expect("start");
+    let first = claim_one(&stack, "w", &types, 10_000)
+        .await
+        .expect("queue's first");
+    stack
+        .store
+        .commit_step(commit(&first, vec![step(20)], false))
+        .await
+        .expect("one next");
+    let x = claim_one(&stack, "w", &types, 10_000).await.expect("x");
+    // x fans out to two; the first runs and commits one next task while
+    // the second is due.
+    let leased = stack
+        .store
+        .commit_step(commit(&x, vec![step(21), step(22)], false))
+        .await
+        .expect("fan out");
+    assert!(leased.is_empty());
+    let y = claim_one(&stack, "w", &types, 10_000).await.expect("y");
+    assert_eq!(input(&y), Some(21));
+    let leased = stack
+        .store
+        .commit_step(commit(&y, vec![step(23)], true))
+        .await
+        .expect("commit y");
+    assert_eq!(
+        leased.len(),
+        1,
+        "nothing of the flow runs: the claim leases"
+    );
+    assert_eq!(
+        input(&leased[0]),
+        Some(22),
+        "the older due task goes before the one this commit made"
+    );
+}
+
 async fn stopping_a_flow_keeps_its_state_readable(factory: &dyn StoreFactory) {
     let mut stack = Stack::new(factory);
     stack.start_worker();
@@ -1179,6 +1362,7 @@ backends!(
     a_lapsed_lease_cannot_record_output,
     a_committed_entry_over_the_streams_capacity_does_not_refuse_the_commit,
     claims_favour_flows_running_fewer_steps,
+    a_commit_leases_its_next_step_only_when_the_flow_runs_nothing_else,
     a_redelivery_is_refused_once_output_is_recorded,
     a_single_attempt_step_never_acts_twice_under_lapsing_leases,
     stopping_a_flow_keeps_its_state_readable,

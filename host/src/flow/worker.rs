@@ -278,9 +278,16 @@ async fn renew_leases(store: Arc<dyn FlowStore>, options: WorkerOptions, held: H
         };
         if let Ok(held) = held.lock() {
             for (task_id, token) in &lost {
-                tracing::warn!(task_id, "lease lost; stopping the Step");
-                if let Some(abort) = held.get(&(*task_id, *token)).and_then(|h| h.abort.as_ref()) {
-                    abort.abort();
+                match held.get(&(*task_id, *token)) {
+                    Some(held) => {
+                        tracing::warn!(task_id, "lease lost; stopping the Step");
+                        if let Some(abort) = held.abort.as_ref() {
+                            abort.abort();
+                        }
+                    }
+                    // Committed (or failed) since the snapshot above: the
+                    // lease ended with it, and nothing was lost.
+                    None => tracing::debug!(task_id, "a lease ended while it was renewed"),
                 }
             }
         }

@@ -8,7 +8,10 @@
 //!   those locks and the claim cannot interleave.
 //! - Renewals pass over rows another transaction holds, for the same reason.
 
+use std::sync::LazyLock;
+
 use deadpool_postgres::GenericClient;
+use tokio_postgres::Row;
 
 use super::sql::{execute, query, query_opt, TxResult};
 use super::state::channel_messages;
@@ -38,14 +41,6 @@ pub(super) async fn any_claimable<C: GenericClient>(
     )
     .await?;
     Ok(row.get(0))
-}
-
-/// Which tasks a claim may take.
-pub(super) enum ClaimScope<'a> {
-    /// Any flow of these types (the worker's poll).
-    FlowTypes(&'a [String]),
-    /// This flow only (a claim made with a commit).
-    Flow(&'a str),
 }
 
 /// How many of the oldest due tasks a claim weighs for fairness (at least).
@@ -89,20 +84,22 @@ pub(super) async fn claim<C: GenericClient>(
     tx: &C,
     now: StoreMillis,
     worker_id: &str,
-    scope: ClaimScope<'_>,
+    flow_types: &[String],
     max: usize,
     lease_ms: i64,
 ) -> TxResult<Vec<ClaimedTask>> {
-    let mut rows = match scope {
-        ClaimScope::FlowTypes(flow_types) => {
-            claim_fairly(tx, now, worker_id, flow_types, max, lease_ms).await?
-        }
-        ClaimScope::Flow(flow_id) => {
-            claim_in_flow(tx, now, worker_id, flow_id, max, lease_ms).await?
-        }
-    };
+    let rows = claim_fairly(tx, now, worker_id, flow_types, max, lease_ms).await?;
+    finish_claim(tx, rows).await
+}
+
+/// What a claim does once it has leased its tasks: a task that waited for
+/// messages gets them, and a task holding state locks takes them.
+pub(super) async fn finish_claim<C: GenericClient>(
+    tx: &C,
+    rows: Vec<TaskRow>,
+) -> TxResult<Vec<ClaimedTask>> {
     let mut claimed = Vec::with_capacity(rows.len());
-    for TaskRow { mut task, wait, .. } in rows.drain(..) {
+    for TaskRow { mut task, wait, .. } in rows {
         if let Some((channel, key, count)) = wait {
             let messages = channel_messages(tx, &task.flow_id, &channel, &key, count).await?;
             // A timer can wake the task before the condition holds; then it
@@ -203,36 +200,30 @@ async fn claim_fairly<C: GenericClient>(
 /// on a sequential path (no other Step of the flow running; see the SQLite
 /// backend), oldest first. One statement: within one flow the fair order is
 /// the age order, and the commit already holds the flow's row, so a task
-/// holding state locks needs no further check.
-async fn claim_in_flow<C: GenericClient>(
-    tx: &C,
-    now: StoreMillis,
-    worker_id: &str,
-    flow_id: &str,
-    max: usize,
-    lease_ms: i64,
-) -> TxResult<Vec<TaskRow>> {
-    let leased = query(
-        tx,
-        &format!(
-            "WITH picked AS (
-               SELECT task_id AS picked_id FROM tasks AS t
-               WHERE t.flow_id = $1
-                 AND ((t.state = 'ready' AND t.not_before_ms <= $4)
-                      OR (t.state = 'waiting' AND t.wake_at_ms <= $4))
-                 -- Through the flow's index: written `state || ''`, the check
-                 -- cannot pick the index of every lease (a scan of all of them).
-                 AND NOT EXISTS (SELECT 1 FROM tasks AS l
-                                 WHERE l.flow_id = t.flow_id AND l.state || '' = 'leased')
-               ORDER BY t.not_before_ms, t.task_id
-               LIMIT $5
-               FOR UPDATE SKIP LOCKED)
-             UPDATE tasks SET {LEASE_SET} FROM picked WHERE task_id = picked.picked_id
-             RETURNING {TASK_COLUMNS}, not_before_ms"
-        ),
-        &[&flow_id, &worker_id, &(now + lease_ms), &now, &(max as i64)],
+/// holding state locks needs no further check. $1 the flow, $2 the owner,
+/// $3 the lease's end, $4 now, $5 how many at most; read the rows with
+/// [`in_flow_rows`].
+pub(super) static CLAIM_IN_FLOW: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "WITH picked AS (
+           SELECT task_id AS picked_id FROM tasks AS t
+           WHERE t.flow_id = $1
+             AND ((t.state = 'ready' AND t.not_before_ms <= $4)
+                  OR (t.state = 'waiting' AND t.wake_at_ms <= $4))
+             -- Through the flow's index: written `state || ''`, the check
+             -- cannot pick the index of every lease (a scan of all of them).
+             AND NOT EXISTS (SELECT 1 FROM tasks AS l
+                             WHERE l.flow_id = t.flow_id AND l.state || '' = 'leased')
+           ORDER BY t.not_before_ms, t.task_id
+           LIMIT $5
+           FOR UPDATE SKIP LOCKED)
+         UPDATE tasks SET {LEASE_SET} FROM picked WHERE task_id = picked.picked_id
+         RETURNING {TASK_COLUMNS}, not_before_ms"
     )
-    .await?;
+});
+
+/// The tasks [`CLAIM_IN_FLOW`] leased, oldest first.
+pub(super) fn in_flow_rows(leased: &[Row]) -> Result<Vec<TaskRow>, StoreError> {
     let mut rows = leased
         .iter()
         .map(|row| Ok((row.get::<_, i64>(18), decode_task(task_row(row)?)?)))

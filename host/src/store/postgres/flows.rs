@@ -41,7 +41,7 @@ pub(super) async fn create_flow<C: GenericClient>(
         }
         .into());
     }
-    super::tasks::insert_task(tx, flow_id, flow_type, first).await?;
+    super::tasks::insert_task(tx, flow_id, first).await?;
     Ok(())
 }
 

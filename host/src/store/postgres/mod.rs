@@ -19,6 +19,7 @@
 
 mod catalog;
 mod claims;
+mod commit;
 mod connect;
 mod flows;
 mod history;
@@ -212,15 +213,7 @@ impl FlowStore for PostgresStore {
             return Ok(Vec::new());
         }
         in_tx!(self, false, |tx, now| {
-            claims::claim(
-                &tx,
-                now,
-                worker_id,
-                claims::ClaimScope::FlowTypes(flow_types),
-                max,
-                lease_ms,
-            )
-            .await?
+            claims::claim(&tx, now, worker_id, flow_types, max, lease_ms).await?
         })
     }
 
@@ -275,25 +268,11 @@ impl FlowStore for PostgresStore {
             .iter()
             .any(|write| matches!(write, StateWrite::Publish { .. }));
         let (claimed, woke) = in_tx!(self, false, |tx, now| {
-            tasks::lock_flow(&tx, &commit.flow_id).await?;
-            let inserted = tasks::commit_step(&tx, now, commit).await?;
+            let commit::Committed { inserted, claimed } =
+                commit::commit_step(&tx, now, commit).await?;
             if appends {
                 self.notify_stream(&tx, &commit.flow_id).await?;
             }
-            let claimed = match &commit.claim_next {
-                Some(next) if next.max > 0 => {
-                    claims::claim(
-                        &tx,
-                        now,
-                        &next.worker_id,
-                        claims::ClaimScope::Flow(&commit.flow_id),
-                        next.max,
-                        next.lease_ms,
-                    )
-                    .await?
-                }
-                _ => Vec::new(),
-            };
             // Workers elsewhere are woken only when this commit leaves them
             // something: a sequential flow's next Step, leased with the
             // commit, costs no NOTIFY (whose commit-time lock every

@@ -1,10 +1,13 @@
 //! Helpers every PostgreSQL file shares: error conversion, statements
-//! through the connection's cache, and retrying a transaction that lost a
-//! deadlock or a serialization check.
+//! through the connection's cache, pipelines, and retrying a transaction
+//! that lost a deadlock or a serialization check.
 
 use std::future::Future;
+use std::pin::Pin;
+use std::task::Poll;
 
 use deadpool_postgres::GenericClient;
+use futures_util::future::{maybe_done, poll_fn, try_join_all};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::Row;
@@ -180,4 +183,66 @@ pub(super) async fn execute<C: GenericClient>(
 ) -> Result<u64, tokio_postgres::Error> {
     let statement = client.prepare_cached(sql).await?;
     client.execute(&statement, params).await
+}
+
+/// One statement of a [`pipeline`].
+pub(super) struct Piped<'a> {
+    pub sql: &'a str,
+    pub params: Vec<&'a (dyn ToSql + Sync)>,
+}
+
+impl<'a> Piped<'a> {
+    pub(super) fn new(sql: &'a str, params: Vec<&'a (dyn ToSql + Sync)>) -> Self {
+        Piped { sql, params }
+    }
+}
+
+/// Each statement's rows or error, in the order they ran.
+pub(super) type PipedRows = Vec<Result<Vec<Row>, tokio_postgres::Error>>;
+
+/// Runs `statements` in order, each sent without waiting for the answer to
+/// the one before: one round trip for all of them instead of one each.
+/// The server still runs them one after another, in this order.
+///
+/// Every statement's outcome comes back, in order. Inside a transaction a
+/// failed statement aborts it and every later one fails too, so the caller
+/// reads the outcomes in order and acts on the first it cannot accept
+/// (which may be a row missing, not an error). Nothing is left in flight:
+/// the answers are all read before this returns.
+pub(super) async fn pipeline<C: GenericClient>(
+    client: &C,
+    statements: &[Piped<'_>],
+) -> TxResult<PipedRows> {
+    // Prepared first (a cache hit costs nothing): a statement prepared on
+    // the way would be sent after the ones behind it that were cached.
+    let prepared = try_join_all(
+        statements
+            .iter()
+            .map(|piped| client.prepare_cached(piped.sql)),
+    )
+    .await?;
+    // Each query is sent when first polled, so polling them in order sends
+    // them in order.
+    let mut running: Vec<_> = statements
+        .iter()
+        .zip(&prepared)
+        .map(|(piped, statement)| maybe_done(client.query(statement, &piped.params)))
+        .collect();
+    poll_fn(|cx| {
+        let mut pending = false;
+        for query in running.iter_mut() {
+            pending |= Pin::new(query).poll(cx).is_pending();
+        }
+        if pending {
+            Poll::Pending
+        } else {
+            Poll::Ready(())
+        }
+    })
+    .await;
+    running
+        .iter_mut()
+        .map(|query| Pin::new(query).take_output())
+        .collect::<Option<PipedRows>>()
+        .ok_or_else(|| StoreError::Backend("a pipelined statement gave no answer".into()).into())
 }

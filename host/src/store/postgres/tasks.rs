@@ -1,5 +1,5 @@
-//! Tasks on PostgreSQL: inserting, waking, fencing, committing and failing
-//! them (claims and leases are in `claims.rs`).
+//! Tasks on PostgreSQL: inserting, waking, fencing and failing them (a
+//! Step's commit is in `commit.rs`, claims and leases in `claims.rs`).
 //!
 //! Concurrency, which SQLite's single writer gives for free, is explicit
 //! here:
@@ -10,9 +10,10 @@
 //!   order every writer of a flow follows.
 
 use deadpool_postgres::GenericClient;
+use tokio_postgres::types::ToSql;
 
 use super::sql::{execute, query_opt, TxResult};
-use crate::flow::store::{AttemptFailure, FailureAction, StepCommit, StoreError};
+use crate::flow::store::{AttemptFailure, FailureAction, StoreError};
 use crate::flow::types::{NewTask, StoreMillis};
 use crate::store::rows::{decode_task, TaskRow, TaskRowRaw, TASK_COLUMNS};
 
@@ -42,86 +43,124 @@ pub(super) async fn lock_flow_or_its_name<C: GenericClient>(tx: &C, flow_id: &st
     Ok(())
 }
 
+/// Inserts a task of `flow_id` ($1), of the flow's type: the values from
+/// $2 on are [`TaskValues::params`].
+pub(super) const INSERT_TASK: &str =
+    "INSERT INTO tasks (flow_id, flow_type, step_type, input, state, attempt, not_before_ms,
+        wait_channel, wait_key, wait_count, wake_at_ms, policy, failure_route, failure, locks)
+     VALUES ($1, (SELECT flow_type FROM flows WHERE flow_id = $1), $2, $3, $4, 1, $5, $6, $7,
+             $8, $9, $10, $11, $12, $13)
+     RETURNING task_id";
+
+/// Marks waiting tasks ready whose channel condition now holds ($1 the
+/// flow, $2 the channel, $3 the key). Runs under the flow's lock, so the
+/// count includes every publish before it.
+pub(super) const WAKE_WAITERS: &str = "UPDATE tasks SET state = 'ready'
+     WHERE flow_id = $1 AND state = 'waiting' AND wait_channel = $2 AND wait_key = $3
+       AND wait_count <= (SELECT COUNT(*) FROM channel_messages
+                          WHERE flow_id = $1 AND channel = $2 AND key = $3)";
+
+/// A new task's column values, encoded once, for [`INSERT_TASK`].
+pub(super) struct TaskValues<'a> {
+    task: &'a NewTask,
+    input: String,
+    state: &'static str,
+    policy: String,
+    locks: String,
+    wait_channel: Option<&'a str>,
+    wait_key: Option<&'a str>,
+    wait_count: Option<i64>,
+    wake_at: Option<StoreMillis>,
+}
+
+impl<'a> TaskValues<'a> {
+    pub(super) fn new(task: &'a NewTask) -> Result<Self, StoreError> {
+        let channel = task.wait.as_ref().and_then(|w| w.channel.as_ref());
+        let encode = |value: Result<String, serde_json::Error>| {
+            value.map_err(|err| StoreError::Backend(err.to_string()))
+        };
+        Ok(TaskValues {
+            task,
+            input: task.input.to_string(),
+            state: if task.wait.is_some() {
+                "waiting"
+            } else {
+                "ready"
+            },
+            policy: encode(serde_json::to_string(&task.policy))?,
+            locks: encode(serde_json::to_string(&task.locks))?,
+            wait_channel: channel.map(|c| c.channel.as_str()),
+            wait_key: channel.map(|c| c.key.as_str()),
+            wait_count: channel.map(|c| i64::from(c.count)),
+            wake_at: task.wait.as_ref().and_then(|w| w.timer_at),
+        })
+    }
+
+    /// $2 to $13 of [`INSERT_TASK`].
+    pub(super) fn params(&self) -> [&(dyn ToSql + Sync); 12] {
+        [
+            &self.task.step_type,
+            &self.input,
+            &self.state,
+            &self.task.not_before,
+            &self.wait_channel,
+            &self.wait_key,
+            &self.wait_count,
+            &self.wake_at,
+            &self.policy,
+            &self.task.failure_route,
+            &self.task.failure,
+            &self.locks,
+        ]
+    }
+
+    /// The channel the task waits on, when its insert must wake waiters.
+    pub(super) fn channel(&self) -> Option<(&'a str, &'a str)> {
+        self.wait_channel.zip(self.wait_key)
+    }
+
+    /// $2 and $3 of [`WAKE_WAITERS`], when the task waits on a channel.
+    pub(super) fn channel_params(&self) -> Option<[&(dyn ToSql + Sync); 2]> {
+        self.channel()
+            .map(|_| [&self.wait_channel as &(dyn ToSql + Sync), &self.wait_key])
+    }
+}
+
 /// Inserts a task; a task whose channel condition already holds is ready.
 pub(super) async fn insert_task<C: GenericClient>(
     tx: &C,
     flow_id: &str,
-    flow_type: &str,
     task: &NewTask,
 ) -> TxResult<i64> {
-    let channel = task.wait.as_ref().and_then(|w| w.channel.as_ref());
-    let wake_at = task.wait.as_ref().and_then(|w| w.timer_at);
-    let state = if task.wait.is_some() {
-        "waiting"
-    } else {
-        "ready"
-    };
-    let policy =
-        serde_json::to_string(&task.policy).map_err(|err| StoreError::Backend(err.to_string()))?;
-    let locks =
-        serde_json::to_string(&task.locks).map_err(|err| StoreError::Backend(err.to_string()))?;
-    let input = task.input.to_string();
-    let wait_channel = channel.map(|c| c.channel.as_str());
-    let wait_key = channel.map(|c| c.key.as_str());
-    let wait_count = channel.map(|c| i64::from(c.count));
-    let row = super::sql::query_one(
-        tx,
-        "INSERT INTO tasks (flow_id, flow_type, step_type, input, state, attempt, not_before_ms,
-            wait_channel, wait_key, wait_count, wake_at_ms, policy, failure_route, failure, locks)
-         VALUES ($1, $2, $3, $4, $5, 1, $6, $7, $8, $9, $10, $11, $12, $13, $14)
-         RETURNING task_id",
-        &[
-            &flow_id,
-            &flow_type,
-            &task.step_type,
-            &input,
-            &state,
-            &task.not_before,
-            &wait_channel,
-            &wait_key,
-            &wait_count,
-            &wake_at,
-            &policy,
-            &task.failure_route,
-            &task.failure,
-            &locks,
-        ],
-    )
-    .await?;
-    if let Some(channel) = channel {
-        wake_waiters(tx, flow_id, &channel.channel, &channel.key).await?;
+    let values = TaskValues::new(task)?;
+    let mut params: Vec<&(dyn ToSql + Sync)> = vec![&flow_id];
+    params.extend(values.params());
+    let row = super::sql::query_one(tx, INSERT_TASK, &params).await?;
+    if let Some((channel, key)) = values.channel() {
+        wake_waiters(tx, flow_id, channel, key).await?;
     }
     Ok(row.get(0))
 }
 
-/// Marks waiting tasks ready whose channel condition now holds. Runs under
-/// the flow's lock, so the count includes every publish before it.
+/// Runs [`WAKE_WAITERS`].
 pub(super) async fn wake_waiters<C: GenericClient>(
     tx: &C,
     flow_id: &str,
     channel: &str,
     key: &str,
 ) -> TxResult<()> {
-    execute(
-        tx,
-        "UPDATE tasks SET state = 'ready'
-         WHERE flow_id = $1 AND state = 'waiting' AND wait_channel = $2 AND wait_key = $3
-           AND wait_count <= (SELECT COUNT(*) FROM channel_messages
-                              WHERE flow_id = $1 AND channel = $2 AND key = $3)",
-        &[&flow_id, &channel, &key],
-    )
-    .await?;
+    execute(tx, WAKE_WAITERS, &[&flow_id, &channel, &key]).await?;
     Ok(())
 }
 
+/// Drops a flow's state locks ($1 the flow), before [`DROP_TASKS`].
+pub(super) const DROP_LOCKS: &str = "DELETE FROM state_locks WHERE flow_id = $1";
+/// Drops a flow's tasks ($1 the flow).
+pub(super) const DROP_TASKS: &str = "DELETE FROM tasks WHERE flow_id = $1";
+
 pub(super) async fn drop_tasks<C: GenericClient>(tx: &C, flow_id: &str) -> TxResult<()> {
-    execute(
-        tx,
-        "DELETE FROM state_locks WHERE flow_id = $1",
-        &[&flow_id],
-    )
-    .await?;
-    execute(tx, "DELETE FROM tasks WHERE flow_id = $1", &[&flow_id]).await?;
+    execute(tx, DROP_LOCKS, &[&flow_id]).await?;
+    execute(tx, DROP_TASKS, &[&flow_id]).await?;
     Ok(())
 }
 
@@ -226,108 +265,6 @@ pub(super) async fn check_lease<C: GenericClient>(
     }
 }
 
-/// Applies a Step's commit; the caller holds the flow's lock.
-/// Returns the ids of the next tasks it inserted.
-pub(super) async fn commit_step<C: GenericClient>(
-    tx: &C,
-    now: StoreMillis,
-    commit: &StepCommit,
-) -> TxResult<Vec<i64>> {
-    let flow_id = commit.flow_id.as_str();
-    // Fences, removes the task, records its history entry and finds the
-    // flow type and the task's locks, in one statement: a commit is a few
-    // round trips, and each one counts on a busy database.
-    let entry = &commit.history;
-    let detail = entry.detail.as_deref().filter(|d| !d.is_empty());
-    let removed = query_opt(
-        tx,
-        "WITH fenced AS (
-           DELETE FROM tasks WHERE task_id = $1 AND lease_token = $2 AND state = 'leased'
-           RETURNING flow_type, locks),
-         recorded AS (
-           INSERT INTO step_history (flow_id, event_type, step_type, step_execution_id,
-               attempt, at_ms, detail, started_at_ms, component)
-           SELECT $3::text, $4::text, $5::text, $6::text, $7::bigint, $8::bigint, $9::text,
-                  $10::bigint, $11::text
-           FROM fenced
-           RETURNING 1)
-         SELECT flow_type, locks <> '[]', (SELECT COUNT(*) FROM recorded) FROM fenced",
-        &[
-            &commit.task_id,
-            &commit.lease_token,
-            &flow_id,
-            &entry.event_type,
-            &entry.step_type,
-            &entry.step_execution_id,
-            &i64::from(entry.final_attempt),
-            &entry.at,
-            &detail,
-            &entry.started_at,
-            &entry.component,
-        ],
-    )
-    .await?;
-    let Some((flow_type, had_locks)) =
-        removed.map(|row| (row.get::<_, String>(0), row.get::<_, bool>(1)))
-    else {
-        return Err(StoreError::StaleLease {
-            task_id: commit.task_id,
-        }
-        .into());
-    };
-    if commit.complete_flow {
-        // First, before any stream or channel row is locked: the flow's other
-        // tasks go while this transaction holds nothing another writer waits
-        // on.
-        drop_tasks(tx, flow_id).await?;
-    }
-    for message_id in &commit.consumed {
-        let deleted = execute(
-            tx,
-            "DELETE FROM channel_messages WHERE message_id = $1",
-            &[message_id],
-        )
-        .await?;
-        if deleted == 0 {
-            return Err(StoreError::Conflict(format!(
-                "channel message {message_id} was already consumed"
-            ))
-            .into());
-        }
-    }
-    for write in &commit.writes {
-        super::state::apply_write(tx, now, flow_id, write).await?;
-    }
-    if had_locks {
-        release_locks(tx, commit.task_id).await?;
-    }
-    let mut inserted = Vec::with_capacity(commit.next.len());
-    if !commit.complete_flow {
-        for task in &commit.next {
-            inserted.push(insert_task(tx, flow_id, &flow_type, task).await?);
-        }
-    }
-    let done = commit.complete_flow
-        || (commit.next.is_empty()
-            && query_opt(
-                tx,
-                "SELECT 1 FROM tasks WHERE flow_id = $1 LIMIT 1",
-                &[&flow_id],
-            )
-            .await?
-            .is_none());
-    if done {
-        execute(
-            tx,
-            "UPDATE flows SET status = 'completed', updated_at_ms = $2
-             WHERE flow_id = $1 AND status = 'running'",
-            &[&flow_id, &now],
-        )
-        .await?;
-    }
-    Ok(inserted)
-}
-
 /// Releases the state locks a task held.
 pub(super) async fn release_locks<C: GenericClient>(tx: &C, task_id: i64) -> TxResult<()> {
     execute(
@@ -375,15 +312,10 @@ pub(super) async fn redeliver<C: GenericClient>(tx: &C, task_id: i64) -> TxResul
     Ok(())
 }
 
-/// Removes a task that gave up; returns its flow's type.
-pub(super) async fn remove<C: GenericClient>(tx: &C, task_id: i64) -> TxResult<String> {
-    let row = super::sql::query_one(
-        tx,
-        "DELETE FROM tasks WHERE task_id = $1 RETURNING flow_type",
-        &[&task_id],
-    )
-    .await?;
-    Ok(row.get(0))
+/// Removes a task that gave up.
+pub(super) async fn remove<C: GenericClient>(tx: &C, task_id: i64) -> TxResult<()> {
+    execute(tx, "DELETE FROM tasks WHERE task_id = $1", &[&task_id]).await?;
+    Ok(())
 }
 
 /// A failed attempt: history, locks released, then retry, redeliver or
@@ -410,10 +342,10 @@ pub(super) async fn fail_attempt<C: GenericClient>(
         } => retry(tx, failure.task_id, *attempt, *not_before).await,
         FailureAction::Redeliver => redeliver(tx, failure.task_id).await,
         FailureAction::GiveUp { route, flow_error } => {
-            let flow_type = remove(tx, failure.task_id).await?;
+            remove(tx, failure.task_id).await?;
             match route {
                 Some(route) => {
-                    insert_task(tx, &failure.flow_id, &flow_type, route).await?;
+                    insert_task(tx, &failure.flow_id, route).await?;
                     Ok(())
                 }
                 None => super::flows::fail_flow(tx, now, &failure.flow_id, flow_error).await,
