@@ -1129,6 +1129,153 @@ async fn a_commit_leases_its_next_step_only_when_the_flow_runs_nothing_else(
     );
 }
 
+/// A commit of many statements (40 messages consumed, 40 next tasks: the
+/// PostgreSQL backend sends them as one pipeline) applies whole or not at
+/// all, and its first refusal is the one reported: a stale lease before a
+/// message that is not there, and either leaves every message in place.
+async fn a_large_commit_applies_whole_or_not_at_all(factory: &dyn StoreFactory) {
+    let stack = Stack::new(factory);
+    let types = vec!["Noop".to_string()];
+    let now = stack.store.now().await.expect("now");
+    let task = |n: usize, wait: Option<dexa::flow::types::WaitSpec>| NewTask {
+        step_type: "Step".into(),
+        input: json!({"n": n}),
+        wait,
+        policy: RetryPolicy::default(),
+        failure_route: None,
+        failure: None,
+        locks: Vec::new(),
+        not_before: now,
+    };
+    let commit =
+        |claimed: &dexa::flow::ClaimedTask, token: i64, consumed: Vec<i64>, next| StepCommit {
+            task_id: claimed.task_id,
+            lease_token: token,
+            flow_id: claimed.flow_id.clone(),
+            consumed,
+            writes: vec![],
+            next,
+            complete_flow: false,
+            history: StepHistoryEntry {
+                event_type: EXECUTE_COMPLETED.into(),
+                step_type: claimed.step_type.clone(),
+                step_execution_id: claimed.step_execution_id.clone(),
+                final_attempt: claimed.attempt,
+                at: now,
+                detail: None,
+                started_at: None,
+                component: None,
+            },
+            claim_next: None,
+        };
+    stack
+        .client
+        .start_flow("Noop", "big", json!({}))
+        .await
+        .expect("start");
+    let first = claim_one(&stack, "w", &types, 10_000)
+        .await
+        .expect("big's first");
+    let wait = dexa::flow::types::WaitSpec {
+        channel: Some(dexa::flow::types::ChannelWait::for_n("inbox", 40)),
+        timer_at: None,
+    };
+    stack
+        .store
+        .commit_step(commit(
+            &first,
+            first.lease_token,
+            vec![],
+            vec![task(0, Some(wait))],
+        ))
+        .await
+        .expect("wait for 40");
+    stack
+        .client
+        .rpc("big", |tx| {
+            for n in 0..40 {
+                tx.publish("inbox", "", json!(n))?;
+            }
+            Ok(())
+        })
+        .await
+        .expect("publish 40");
+    let waiting = claim_one(&stack, "w", &types, 10_000)
+        .await
+        .expect("the wait holds");
+    let ids: Vec<i64> = waiting.messages.iter().map(|m| m.message_id).collect();
+    assert_eq!(ids.len(), 40);
+    let fan_out = || (1..=40).map(|n| task(n, None)).collect::<Vec<_>>();
+
+    let missing = ids.iter().max().copied().unwrap_or(0) + 1_000;
+    let mut with_missing = ids.clone();
+    with_missing.push(missing);
+    let stale = stack
+        .store
+        .commit_step(commit(
+            &waiting,
+            waiting.lease_token + 1,
+            with_missing.clone(),
+            fan_out(),
+        ))
+        .await;
+    assert!(
+        matches!(stale, Err(StoreError::StaleLease { .. })),
+        "the fence answers first: {stale:?}"
+    );
+    let conflict = stack
+        .store
+        .commit_step(commit(
+            &waiting,
+            waiting.lease_token,
+            with_missing,
+            fan_out(),
+        ))
+        .await;
+    assert!(
+        matches!(conflict, Err(StoreError::Conflict(_))),
+        "a message that is not there refuses the commit: {conflict:?}"
+    );
+    assert!(
+        stack
+            .store
+            .claim("other", &types, 100, 10_000)
+            .await
+            .expect("claim")
+            .is_empty(),
+        "neither refused commit added a task"
+    );
+
+    // Every message is still there: the commit that consumes them all
+    // applies, whole.
+    stack
+        .store
+        .commit_step(commit(
+            &waiting,
+            waiting.lease_token,
+            ids.clone(),
+            fan_out(),
+        ))
+        .await
+        .expect("the whole commit");
+    let next = stack
+        .store
+        .claim("w", &types, 100, 10_000)
+        .await
+        .expect("claim");
+    let mut inputs: Vec<u64> = next.iter().filter_map(|t| t.input["n"].as_u64()).collect();
+    inputs.sort();
+    assert_eq!(inputs, (1..=40).collect::<Vec<u64>>(), "all 40 next tasks");
+    let again = stack
+        .store
+        .commit_step(commit(&next[0], next[0].lease_token, vec![ids[7]], vec![]))
+        .await;
+    assert!(
+        matches!(again, Err(StoreError::Conflict(_))),
+        "consumed once: {again:?}"
+    );
+}
+
 async fn stopping_a_flow_keeps_its_state_readable(factory: &dyn StoreFactory) {
     let mut stack = Stack::new(factory);
     stack.start_worker();
@@ -1363,6 +1510,7 @@ backends!(
     a_committed_entry_over_the_streams_capacity_does_not_refuse_the_commit,
     claims_favour_flows_running_fewer_steps,
     a_commit_leases_its_next_step_only_when_the_flow_runs_nothing_else,
+    a_large_commit_applies_whole_or_not_at_all,
     a_redelivery_is_refused_once_output_is_recorded,
     a_single_attempt_step_never_acts_twice_under_lapsing_leases,
     stopping_a_flow_keeps_its_state_readable,

@@ -289,7 +289,12 @@ async fn run_one(
     Ok(ScaleFigures {
         steps,
         span: Duration::from_millis((last - first).max(1) as u64),
-        steady: (high - low) as f64 * 1000.0 / middle as f64,
+        // Too few commits for a middle: the whole span's rate.
+        steady: if high > low {
+            (high - low) as f64 * 1000.0 / middle as f64
+        } else {
+            steps as f64 * 1000.0 / (last - first).max(1) as f64
+        },
         overhead: (percentile(&overhead, 0.50), percentile(&overhead, 0.99)),
     })
 }

@@ -52,7 +52,7 @@ pub(super) struct Committed {
 const FENCE: &str = "WITH locked AS (SELECT 1 FROM flows WHERE flow_id = $3 FOR UPDATE),
      fenced AS (
        DELETE FROM tasks WHERE task_id = $1 AND lease_token = $2 AND state = 'leased'
-         AND EXISTS (SELECT 1 FROM locked)
+         AND flow_id = $3 AND EXISTS (SELECT 1 FROM locked)
        RETURNING locks),
      recorded AS (
        INSERT INTO step_history (flow_id, event_type, step_type, step_execution_id,

@@ -221,8 +221,11 @@ pub(super) async fn pipeline<C: GenericClient>(
             .map(|piped| client.prepare_cached(piped.sql)),
     )
     .await?;
-    // Each query is sent when first polled, so polling them in order sends
-    // them in order.
+    // Each query is sent when first polled (tokio-postgres hands its
+    // message to the connection before it first waits), so polling them in
+    // order sends them in order. The conformance suite fails if they are
+    // not (polled in reverse, four of its tests did: a waiter woken before
+    // it is inserted, a claim before its task).
     let mut running: Vec<_> = statements
         .iter()
         .zip(&prepared)
