@@ -6,6 +6,7 @@ pub mod copy;
 pub mod postgres;
 pub(crate) mod rows;
 pub mod sqlite;
+pub mod stream_signals;
 
 use std::sync::Arc;
 

@@ -11,15 +11,15 @@
 //!   clocks disagree still agree on every deadline, with no round trip per
 //!   transaction.
 //! - Appends to a flow's streams `NOTIFY` the events channel with the flow
-//!   id; the listener wakes that flow's readers ([`Signals::stream`]), so an
+//!   id; the listener wakes that flow's readers ([`Signals::streams`]), so an
 //!   event stream on one machine sees a commit made on another at once.
 //! - When the connection breaks (a restart, a failover) it reconnects with
 //!   a growing pause, and wakes the workers once it is back, since a
 //!   notification may have been missed meanwhile.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicI64, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
@@ -28,6 +28,7 @@ use tokio_postgres::AsyncMessage;
 
 use super::url::PostgresUrl;
 use crate::flow::{StoreError, StoreMillis};
+use crate::store::stream_signals::StreamSignals;
 
 /// How often the clock is read from the database.
 pub const CLOCK_SYNC: Duration = Duration::from_secs(2);
@@ -85,7 +86,7 @@ pub struct Signals {
     pub events_channel: String,
     pub work: Arc<Notify>,
     /// One per flow some reader waits on; gone with its last reader.
-    streams: Mutex<HashMap<String, Weak<Notify>>>,
+    pub streams: StreamSignals,
 }
 
 impl Signals {
@@ -94,47 +95,14 @@ impl Signals {
             work_channel,
             events_channel,
             work: Arc::new(Notify::new()),
-            streams: Mutex::new(HashMap::new()),
-        }
-    }
-
-    fn streams(&self) -> std::sync::MutexGuard<'_, HashMap<String, Weak<Notify>>> {
-        match self.streams.lock() {
-            Ok(streams) => streams,
-            Err(poisoned) => poisoned.into_inner(),
-        }
-    }
-
-    /// The signal of `flow_id`'s streams (shared by its readers).
-    pub fn stream(&self, flow_id: &str) -> Arc<Notify> {
-        let mut streams = self.streams();
-        if let Some(signal) = streams.get(flow_id).and_then(Weak::upgrade) {
-            return signal;
-        }
-        // Forget flows nobody reads any more before the map can grow.
-        if streams.len() >= 64 && streams.len().is_power_of_two() {
-            streams.retain(|_, signal| signal.strong_count() > 0);
-        }
-        let signal = Arc::new(Notify::new());
-        streams.insert(flow_id.to_string(), Arc::downgrade(&signal));
-        signal
-    }
-
-    /// Wakes the readers of `flow_id`'s streams, if any.
-    pub fn wake_stream(&self, flow_id: &str) {
-        let signal = self.streams().get(flow_id).and_then(Weak::upgrade);
-        if let Some(signal) = signal {
-            signal.notify_waiters();
+            streams: StreamSignals::default(),
         }
     }
 
     /// Wakes every reader (a notification may have been missed).
     fn wake_all(&self) {
         self.work.notify_waiters();
-        let signals: Vec<Arc<Notify>> = self.streams().values().filter_map(Weak::upgrade).collect();
-        for signal in signals {
-            signal.notify_waiters();
-        }
+        self.streams.wake_all();
     }
 }
 
@@ -243,7 +211,7 @@ async fn run(
                         signals.work.notify_waiters();
                     }
                     for flow_id in flows {
-                        signals.wake_stream(&flow_id);
+                        signals.streams.wake(&flow_id);
                     }
                 }
                 // Bounded: a connection that went quiet (half-open TCP) is

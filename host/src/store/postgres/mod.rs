@@ -159,7 +159,7 @@ impl FlowStore for PostgresStore {
     }
 
     fn stream_signal(&self, flow_id: &str) -> Option<Arc<Notify>> {
-        Some(self.inner.signals.stream(flow_id))
+        Some(self.inner.signals.streams.stream(flow_id))
     }
 
     async fn create_flow(
@@ -252,7 +252,7 @@ impl FlowStore for PostgresStore {
             tasks::record_output(&tx, now, task_id, lease_token).await?;
             self.notify_stream(&tx, flow_id).await?;
         })?;
-        self.inner.signals.wake_stream(flow_id);
+        self.inner.signals.streams.wake(flow_id);
         Ok(())
     }
 
@@ -292,7 +292,7 @@ impl FlowStore for PostgresStore {
             self.wake_here();
         }
         if appends {
-            self.inner.signals.wake_stream(&commit.flow_id);
+            self.inner.signals.streams.wake(&commit.flow_id);
         }
         Ok(claimed)
     }
@@ -404,7 +404,7 @@ impl FlowStore for PostgresStore {
             self.notify_stream(&tx, flow_id).await?;
             seqs
         })?;
-        self.inner.signals.wake_stream(flow_id);
+        self.inner.signals.streams.wake(flow_id);
         Ok(seqs)
     }
 

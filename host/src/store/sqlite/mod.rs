@@ -7,7 +7,8 @@
 //!   processes wait on SQLite's lock (busy timeout 5 s).
 //! - Reads use their own connections, which WAL lets run beside writes.
 //! - Between batches the writer polls `PRAGMA data_version` every 10 ms and
-//!   wakes this process's workers when another process has committed;
+//!   wakes this process's workers when another process has committed, and
+//!   the readers of the streams that commit appended to (`stream_watch.rs`);
 //!   commits of this process wake them at once.
 //! - WAL checkpoints run on their own thread, off the commit path.
 //! - `synchronous=NORMAL` by default: in WAL mode a commit survives the death
@@ -25,6 +26,7 @@ mod rpc;
 mod schema;
 mod sql;
 mod state;
+mod stream_watch;
 mod streams;
 mod tasks;
 mod writer;
@@ -48,9 +50,10 @@ use crate::flow::store::{
     StepCommit, StoreError,
 };
 use crate::flow::types::{
-    ClaimedTask, FlowInfo, Json, MapQuery, NewTask, StepHistoryEntry, StoreMillis, StreamPage,
-    Versioned,
+    ClaimedTask, FlowInfo, Json, MapQuery, NewTask, StateWrite, StepHistoryEntry, StoreMillis,
+    StreamPage, Versioned,
 };
+use crate::store::stream_signals::StreamSignals;
 
 /// The default capacity of a stream, in bytes.
 pub const DEFAULT_STREAM_CAPACITY: u64 = 10 << 20;
@@ -89,6 +92,9 @@ struct Inner {
     writer: Mutex<mpsc::Sender<WriteJob>>,
     readers: Mutex<Vec<Connection>>,
     signal: Arc<Notify>,
+    /// The readers of each flow's streams: woken by this process's appends
+    /// at once, by another process's through the writer's watch.
+    streams: Arc<StreamSignals>,
 }
 
 impl SqliteStore {
@@ -107,12 +113,13 @@ impl SqliteStore {
         writer.pragma_update(None, "wal_autocheckpoint", 0)?;
         let checkpoints = spawn_checkpointer(open_reader(&path, &options)?)?;
         let signal = Arc::new(Notify::new());
+        let streams = Arc::new(StreamSignals::default());
         let (jobs, queue) = mpsc::channel();
         std::thread::Builder::new()
             .name("dexa-sqlite-writer".to_string())
             .spawn({
-                let signal = signal.clone();
-                move || run_writer(writer, queue, signal, checkpoints)
+                let (signal, streams) = (signal.clone(), streams.clone());
+                move || run_writer(writer, queue, signal, streams, checkpoints)
             })
             .map_err(|err| StoreError::Backend(format!("cannot start the writer thread: {err}")))?;
         Ok(Self {
@@ -122,6 +129,7 @@ impl SqliteStore {
                 writer: Mutex::new(jobs),
                 readers: Mutex::new(Vec::new()),
                 signal,
+                streams,
             }),
         })
     }
@@ -256,6 +264,10 @@ impl FlowStore for SqliteStore {
         self.inner.signal.clone()
     }
 
+    fn stream_signal(&self, flow_id: &str) -> Option<Arc<Notify>> {
+        Some(self.inner.streams.stream(flow_id))
+    }
+
     async fn create_flow(
         &self,
         flow_id: &str,
@@ -341,23 +353,33 @@ impl FlowStore for SqliteStore {
     }
 
     async fn commit_step(&self, commit: StepCommit) -> Result<Vec<ClaimedTask>, StoreError> {
-        self.write(move |tx, now| {
-            let claim_next = commit.claim_next.clone();
-            let flow_id = commit.flow_id.clone();
-            tasks::commit_step(tx, now, commit)?;
-            match claim_next {
-                Some(next) if next.max > 0 => tasks::claim(
-                    tx,
-                    now,
-                    &next.worker_id,
-                    tasks::ClaimScope::Flow(&flow_id),
-                    next.max,
-                    next.lease_ms,
-                ),
-                _ => Ok(Vec::new()),
-            }
-        })
-        .await
+        let appended = commit
+            .writes
+            .iter()
+            .any(|write| matches!(write, StateWrite::Append { .. }))
+            .then(|| commit.flow_id.clone());
+        let claimed = self
+            .write(move |tx, now| {
+                let claim_next = commit.claim_next.clone();
+                let flow_id = commit.flow_id.clone();
+                tasks::commit_step(tx, now, commit)?;
+                match claim_next {
+                    Some(next) if next.max > 0 => tasks::claim(
+                        tx,
+                        now,
+                        &next.worker_id,
+                        tasks::ClaimScope::Flow(&flow_id),
+                        next.max,
+                        next.lease_ms,
+                    ),
+                    _ => Ok(Vec::new()),
+                }
+            })
+            .await?;
+        if let Some(flow_id) = appended {
+            self.inner.streams.wake(&flow_id);
+        }
+        Ok(claimed)
     }
 
     async fn fail_attempt(&self, failure: AttemptFailure) -> Result<(), StoreError> {
@@ -428,13 +450,15 @@ impl FlowStore for SqliteStore {
         stream: &str,
         payloads: Vec<Json>,
     ) -> Result<(), StoreError> {
-        let (flow_id, stream) = (flow_id.to_string(), stream.to_string());
+        let (flow, stream) = (flow_id.to_string(), stream.to_string());
         self.write_quietly(move |tx, now| {
             tasks::record_output(tx, now, task_id, lease_token)?;
-            streams::append_fitting(tx, now, &flow_id, &stream, &payloads)?;
+            streams::append_fitting(tx, now, &flow, &stream, &payloads)?;
             Ok(())
         })
-        .await
+        .await?;
+        self.inner.streams.wake(flow_id);
+        Ok(())
     }
 
     async fn read_state(
@@ -454,11 +478,14 @@ impl FlowStore for SqliteStore {
         stream: &str,
         payloads: Vec<Json>,
     ) -> Result<Vec<i64>, StoreError> {
-        let (flow_id, stream) = (flow_id.to_string(), stream.to_string());
-        self.write_quietly(move |tx, now| {
-            streams::append_stream(tx, now, &flow_id, &stream, &payloads)
-        })
-        .await
+        let (flow, stream) = (flow_id.to_string(), stream.to_string());
+        let seqs = self
+            .write_quietly(move |tx, now| {
+                streams::append_stream(tx, now, &flow, &stream, &payloads)
+            })
+            .await?;
+        self.inner.streams.wake(flow_id);
+        Ok(seqs)
     }
 
     async fn read_stream(

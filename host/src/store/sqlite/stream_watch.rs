@@ -1,0 +1,66 @@
+//! Another process's stream appends, seen from this one: when the writer
+//! sees another process commit (`data_version` moved), it reads the stream
+//! heads of the flows this process's readers wait on, and wakes the readers
+//! of those whose heads moved. One indexed read per such commit, and only
+//! while someone reads: not a wake of every reader on every commit.
+
+use std::collections::{HashMap, HashSet};
+
+use rusqlite::Connection;
+
+use crate::store::stream_signals::StreamSignals;
+
+/// Flows per read of their heads.
+const CHUNK: usize = 500;
+
+/// The stream heads last seen, per flow some reader waits on.
+#[derive(Default)]
+pub(super) struct StreamHeads {
+    heads: HashMap<String, i64>,
+}
+
+impl StreamHeads {
+    /// Wakes the readers of every flow whose streams grew since the last
+    /// look; a flow not looked at before counts as grown (a spurious wake
+    /// costs a reader one read, a missed one a wait).
+    pub(super) fn wake_moved(&mut self, conn: &Connection, signals: &StreamSignals) {
+        let live = signals.read();
+        let reading: HashSet<&str> = live.iter().map(|(flow_id, _)| flow_id.as_str()).collect();
+        self.heads
+            .retain(|flow_id, _| reading.contains(flow_id.as_str()));
+        for chunk in live.chunks(CHUNK) {
+            let heads = match read_heads(conn, chunk.iter().map(|(flow_id, _)| flow_id)) {
+                Ok(heads) => heads,
+                Err(err) => {
+                    tracing::debug!(error = %err, "cannot read stream heads; waking their readers");
+                    for (_, signal) in chunk {
+                        signal.notify_waiters();
+                    }
+                    continue;
+                }
+            };
+            for (flow_id, signal) in chunk {
+                let head = heads.get(flow_id).copied().unwrap_or(0);
+                if self.heads.insert(flow_id.clone(), head) != Some(head) {
+                    signal.notify_waiters();
+                }
+            }
+        }
+    }
+}
+
+/// Each flow's head: the sum of its streams' next sequence numbers, which
+/// grows with every append to any of them.
+fn read_heads<'a>(
+    conn: &Connection,
+    flows: impl Iterator<Item = &'a String>,
+) -> Result<HashMap<String, i64>, rusqlite::Error> {
+    let flows: Vec<&String> = flows.collect();
+    let list = serde_json::to_string(&flows).unwrap_or_else(|_| "[]".to_string());
+    let mut statement = conn.prepare_cached(
+        "SELECT flow_id, SUM(next_seq) FROM streams
+         WHERE flow_id IN (SELECT value FROM json_each(?1)) GROUP BY flow_id",
+    )?;
+    let rows = statement.query_map([list], |row| Ok((row.get(0)?, row.get(1)?)))?;
+    rows.collect()
+}

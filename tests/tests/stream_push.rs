@@ -1,0 +1,100 @@
+//! Stream readers are pushed to on the embedded store, not left to poll:
+//! an append by this process wakes them at once, and one by another
+//! process (here a second store handle on the same file, which has its own
+//! writer connection, as another process would) wakes the readers of that
+//! flow only, through the writer's `data_version` watch. Without the push
+//! no reader is ever woken, and these tests time out.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dexa::flow::FlowStore;
+use dexa::store::sqlite::SqliteStore;
+use serde_json::json;
+use tokio::sync::Notify;
+
+/// Patience, not an expectation: the watch looks every 10 ms.
+const PATIENCE: Duration = Duration::from_secs(5);
+
+fn open(dir: &std::path::Path) -> Arc<dyn FlowStore> {
+    Arc::new(
+        SqliteStore::open(dir.join("store.sqlite"), Default::default())
+            .unwrap_or_else(|err| panic!("{err}")),
+    )
+}
+
+/// Waits for `signal`, armed before the append, at most `within`.
+async fn woken(
+    signal: &Notify,
+    append: impl std::future::Future<Output = ()>,
+    within: Duration,
+) -> bool {
+    let notified = signal.notified();
+    tokio::pin!(notified);
+    notified.as_mut().enable();
+    append.await;
+    tokio::time::timeout(within, notified).await.is_ok()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_append_wakes_this_process_readers_of_that_flow_at_once() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = open(dir.path());
+    let signal = store
+        .stream_signal("f")
+        .expect("SQLite pushes stream appends");
+    let started = Instant::now();
+    let append = async {
+        store
+            .append_stream("f", "events", vec![json!({"n": 1})])
+            .await
+            .unwrap_or_else(|err| panic!("{err}"));
+    };
+    assert!(
+        woken(&signal, append, PATIENCE).await,
+        "the reader was woken"
+    );
+    eprintln!("woken in-process after {:?}", started.elapsed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_process_append_wakes_the_readers_of_that_flow_only() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (writer, reader) = (open(dir.path()), open(dir.path()));
+    let f = reader
+        .stream_signal("f")
+        .expect("SQLite pushes stream appends");
+    let g = reader
+        .stream_signal("g")
+        .expect("SQLite pushes stream appends");
+    let append = |n: i64| {
+        let writer = writer.clone();
+        async move {
+            writer
+                .append_stream("f", "events", vec![json!({ "n": n })])
+                .await
+                .unwrap_or_else(|err| panic!("{err}"));
+        }
+    };
+
+    let started = Instant::now();
+    assert!(woken(&f, append(1), PATIENCE).await, "f's reader was woken");
+    eprintln!("woken across store handles after {:?}", started.elapsed());
+    // The first look may wake g too (its head was not known yet); from
+    // then on only a flow whose streams grew is woken.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let g_woken = {
+        let notified = g.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        assert!(woken(&f, append(2), PATIENCE).await, "f's reader again");
+        tokio::time::timeout(Duration::from_millis(200), notified)
+            .await
+            .is_ok()
+    };
+    assert!(!g_woken, "g's streams did not grow: its reader sleeps on");
+    // Ten appends in a row: the reader is woken each time it waits.
+    for n in 3..13 {
+        assert!(woken(&f, append(n), PATIENCE).await, "append {n}");
+    }
+}
