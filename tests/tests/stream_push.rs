@@ -2,7 +2,7 @@
 //! an append by this process wakes them at once, and one by another
 //! process (here a second store handle on the same file, which has its own
 //! writer connection, as another process would) wakes the readers of that
-//! flow only, through the writer's `data_version` watch. Without the push
+//! flow only, through the stream watch on `data_version`. Without the push
 //! no reader is ever woken, and these tests time out.
 
 use std::sync::Arc;
@@ -97,4 +97,37 @@ async fn another_process_append_wakes_the_readers_of_that_flow_only() {
     for n in 3..13 {
         assert!(woken(&f, append(n), PATIENCE).await, "append {n}");
     }
+}
+
+/// An append whose caller went away once it was queued (a Step aborted at
+/// its timeout while appending) still commits, and its readers are still
+/// woken: by the stream watch, which sees this process's commits too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_append_whose_caller_went_away_still_wakes_its_readers() {
+    use futures_util::FutureExt;
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = open(dir.path());
+    let signal = store
+        .stream_signal("f")
+        .expect("SQLite pushes stream appends");
+    let started = Instant::now();
+    let append = async {
+        // Polled once, which queues the write, then dropped before its
+        // answer: the caller never gets to wake anyone.
+        let pending = store
+            .append_stream("f", "events", vec![json!({"n": 1})])
+            .now_or_never();
+        assert!(pending.is_none(), "the write was still on its way");
+    };
+    assert!(
+        woken(&signal, append, PATIENCE).await,
+        "the reader was woken"
+    );
+    eprintln!("woken after a dropped append in {:?}", started.elapsed());
+    let page = store
+        .read_stream("f", "events", 0, 10)
+        .await
+        .unwrap_or_else(|err| panic!("{err}"));
+    assert_eq!(page.entries.len(), 1, "the append committed");
 }

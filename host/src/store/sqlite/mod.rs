@@ -7,9 +7,11 @@
 //!   processes wait on SQLite's lock (busy timeout 5 s).
 //! - Reads use their own connections, which WAL lets run beside writes.
 //! - Between batches the writer polls `PRAGMA data_version` every 10 ms and
-//!   wakes this process's workers when another process has committed, and
-//!   the readers of the streams that commit appended to (`stream_watch.rs`);
+//!   wakes this process's workers when another process has committed;
 //!   commits of this process wake them at once.
+//! - Stream readers are woken by this process's appends at once, and by
+//!   any commit that moved their flow's streams through a watch of its own
+//!   (`stream_watch.rs`).
 //! - WAL checkpoints run on their own thread, off the commit path.
 //! - `synchronous=NORMAL` by default: in WAL mode a commit survives the death
 //!   of any process (the crash model of workers) without an fsync per commit;
@@ -34,6 +36,7 @@ mod writer;
 use connection::{open_reader, open_writer};
 pub use connection::{SqliteOptions, Synchronous};
 use sql::{backend, now_millis};
+use stream_watch::spawn_stream_watch;
 use writer::{run_writer, spawn_checkpointer, JobDone, WriteJob};
 
 use std::any::Any;
@@ -93,7 +96,7 @@ struct Inner {
     readers: Mutex<Vec<Connection>>,
     signal: Arc<Notify>,
     /// The readers of each flow's streams: woken by this process's appends
-    /// at once, by another process's through the writer's watch.
+    /// at once, by any commit through the stream watch.
     streams: Arc<StreamSignals>,
 }
 
@@ -114,12 +117,13 @@ impl SqliteStore {
         let checkpoints = spawn_checkpointer(open_reader(&path, &options)?)?;
         let signal = Arc::new(Notify::new());
         let streams = Arc::new(StreamSignals::default());
+        spawn_stream_watch(open_reader(&path, &options)?, Arc::downgrade(&streams))?;
         let (jobs, queue) = mpsc::channel();
         std::thread::Builder::new()
             .name("dexa-sqlite-writer".to_string())
             .spawn({
-                let (signal, streams) = (signal.clone(), streams.clone());
-                move || run_writer(writer, queue, signal, streams, checkpoints)
+                let signal = signal.clone();
+                move || run_writer(writer, queue, signal, checkpoints)
             })
             .map_err(|err| StoreError::Backend(format!("cannot start the writer thread: {err}")))?;
         Ok(Self {

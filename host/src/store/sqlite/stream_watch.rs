@@ -1,21 +1,67 @@
-//! Another process's stream appends, seen from this one: when the writer
-//! sees another process commit (`data_version` moved), it reads the stream
-//! heads of the flows this process's readers wait on, and wakes the readers
-//! of those whose heads moved. One indexed read per such commit, and only
-//! while someone reads: not a wake of every reader on every commit.
+//! Stream appends seen by a watch of their own: a thread with its own
+//! connection looks at `PRAGMA data_version` every 10 ms; when any other
+//! connection has committed (another process, or this process's writer), it
+//! reads the stream heads of the flows this process's readers wait on and
+//! wakes the readers of those whose heads moved. One indexed read per such
+//! commit, and only while someone reads: not a wake of every reader on
+//! every commit.
+//!
+//! Its own thread, not the writer's: the read never holds up a write, a
+//! writer waiting for the lock does not hold up the readers, and an append
+//! whose caller went away before it could wake them (a Step aborted at its
+//! timeout) still wakes them within the interval.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Weak;
+use std::time::Duration;
 
 use rusqlite::Connection;
 
+use crate::flow::store::StoreError;
 use crate::store::stream_signals::StreamSignals;
+
+/// How often the watch looks for commits.
+const WATCH_INTERVAL: Duration = Duration::from_millis(10);
+
+/// Starts the watch on `conn`, until the store (and `signals` with it) is
+/// gone. The first `data_version` is read here, before the thread starts,
+/// so that a commit made right after the store opened is seen.
+pub(super) fn spawn_stream_watch(
+    conn: Connection,
+    signals: Weak<StreamSignals>,
+) -> Result<(), StoreError> {
+    let mut last_version = data_version(&conn);
+    std::thread::Builder::new()
+        .name("dexa-sqlite-streams".to_string())
+        .spawn(move || {
+            let mut heads = StreamHeads::default();
+            loop {
+                std::thread::sleep(WATCH_INTERVAL);
+                let Some(signals) = signals.upgrade() else {
+                    return;
+                };
+                let version = data_version(&conn);
+                if version != last_version {
+                    last_version = version;
+                    heads.wake_moved(&conn, &signals);
+                }
+            }
+        })
+        .map_err(|err| StoreError::Backend(format!("cannot start the stream watch: {err}")))?;
+    Ok(())
+}
+
+fn data_version(conn: &Connection) -> Option<i64> {
+    conn.query_row("PRAGMA data_version", [], |row| row.get(0))
+        .ok()
+}
 
 /// Flows per read of their heads.
 const CHUNK: usize = 500;
 
 /// The stream heads last seen, per flow some reader waits on.
 #[derive(Default)]
-pub(super) struct StreamHeads {
+struct StreamHeads {
     heads: HashMap<String, i64>,
 }
 
@@ -23,7 +69,7 @@ impl StreamHeads {
     /// Wakes the readers of every flow whose streams grew since the last
     /// look; a flow not looked at before counts as grown (a spurious wake
     /// costs a reader one read, a missed one a wait).
-    pub(super) fn wake_moved(&mut self, conn: &Connection, signals: &StreamSignals) {
+    fn wake_moved(&mut self, conn: &Connection, signals: &StreamSignals) {
         let live = signals.read();
         let reading: HashSet<&str> = live.iter().map(|(flow_id, _)| flow_id.as_str()).collect();
         self.heads

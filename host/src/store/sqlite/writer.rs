@@ -8,10 +8,8 @@ use rusqlite::Connection;
 use tokio::sync::Notify;
 
 use super::sql::{cached_execute, now_millis};
-use super::stream_watch::StreamHeads;
 use crate::flow::store::StoreError;
 use crate::flow::types::StoreMillis;
-use crate::store::stream_signals::StreamSignals;
 
 /// What a write job reports back to the writer thread.
 pub(super) struct JobDone {
@@ -38,13 +36,11 @@ const CHECKPOINT_INTERVAL: Duration = Duration::from_secs(1);
 /// The writer thread: owns the write connection, runs queued writes in
 /// batches (one transaction, a savepoint per write, one commit), and between
 /// batches watches `data_version`, which changes only when another process
-/// commits, to wake this process's workers and the readers of the streams
-/// that commit appended to.
+/// commits, to wake this process's workers.
 pub(super) fn run_writer(
     conn: Connection,
     queue: mpsc::Receiver<WriteJob>,
     signal: Arc<Notify>,
-    streams: Arc<StreamSignals>,
     // Dropped with this thread, which stops the checkpointer.
     _checkpoints: mpsc::Sender<()>,
 ) {
@@ -54,7 +50,6 @@ pub(super) fn run_writer(
     };
     let mut last_version = data_version(&conn);
     let mut last_check = Instant::now();
-    let mut heads = StreamHeads::default();
     loop {
         match queue.recv_timeout(WATCH_INTERVAL) {
             Ok(first) => {
@@ -78,7 +73,6 @@ pub(super) fn run_writer(
             if version != last_version {
                 last_version = version;
                 signal.notify_waiters();
-                heads.wake_moved(&conn, &streams);
             }
         }
     }
