@@ -162,13 +162,14 @@ async fn a_session_through_the_api_with_an_approval_messages_history_and_stop() 
             s["state"]["turn_count"] == 1 && s["state"]["active_turn_id"].is_null()
         })
         .await;
-    let (status, queued) = served
+    let (status, mut queued) = served
         .call(
             "POST",
             "/v1/sessions/s1/messages",
             Some(json!({"text": "again"})),
         )
         .await;
+    without_message_id(status, &mut queued);
     assert_eq!(
         (status, queued),
         (StatusCode::ACCEPTED, json!({"queued": true}))
@@ -539,7 +540,8 @@ impl Served {
         let response = request.send().await.unwrap();
         let status = response.status();
         let text = response.text().await.unwrap();
-        let value = serde_json::from_str(&text).unwrap_or(Value::String(text));
+        let mut value = serde_json::from_str(&text).unwrap_or(Value::String(text));
+        without_message_id(status, &mut value);
         (status, value)
     }
 
@@ -555,6 +557,21 @@ impl Served {
         })
         .await
     }
+}
+
+/// Takes the `message_id` out of a send's answer (a fresh id each send),
+/// checking that a queued message has one.
+fn without_message_id(status: StatusCode, answer: &mut Value) {
+    if status != StatusCode::ACCEPTED {
+        return;
+    }
+    let id = answer.as_object_mut().and_then(|a| a.remove("message_id"));
+    assert!(
+        id.as_ref()
+            .and_then(Value::as_str)
+            .is_some_and(|id| id.starts_with("msg-")),
+        "a queued message has an id: {answer}"
+    );
 }
 
 /// The texts of a snapshot's user messages, oldest first.

@@ -6,6 +6,7 @@
 pub mod error;
 pub mod limits;
 pub mod listener;
+mod messages;
 pub mod openapi;
 mod versions;
 mod viewer;
@@ -33,10 +34,7 @@ pub use error::ApiError;
 
 use crate::config::Deployment;
 use crate::flow::FlowInfo;
-use crate::session::{
-    new_session_id, AgentEvent, AgentSessionClient, ListAgentMessagesRequest,
-    ResolveInterruptRequest, SendOutcome,
-};
+use crate::session::{new_session_id, AgentEvent, AgentSessionClient, ResolveInterruptRequest};
 
 /// How often an SSE stream looks for new events (other processes write them).
 const EVENT_POLL: Duration = Duration::from_millis(50);
@@ -52,7 +50,7 @@ const MAX_SESSION_ID: usize = 200;
 /// byte), so a message over that cap but under this limit gets the more
 /// precise `message_too_large`.
 pub const MAX_REQUEST_BODY_BYTES: usize = 2 << 20;
-/// The header that makes a send idempotent (see `send_message`).
+/// The header that makes a send idempotent (see `messages::send_message`).
 const IDEMPOTENCY_KEY: &str = "idempotency-key";
 
 /// What every handler shares.
@@ -85,7 +83,7 @@ pub fn router(state: ApiState) -> Router {
         .route("/v1/sessions/{session_id}", get(get_snapshot))
         .route(
             "/v1/sessions/{session_id}/messages",
-            get(list_messages).post(send_message),
+            get(messages::list_messages).post(messages::send_message),
         )
         .route(
             "/v1/sessions/{session_id}/interrupts",
@@ -330,73 +328,6 @@ async fn get_snapshot(
         serde_json::to_value(snapshot).map_err(|err| ApiError::internal(err.to_string()))?;
     value["agent"] = json!(flow.flow_type);
     Ok(Json(value))
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct SendMessageBody {
-    text: String,
-}
-
-/// Queues a user message. With an `Idempotency-Key` header, at most once per
-/// key and session: a retry with the same key and text queues nothing and
-/// gets the first answer, marked `"replayed": true`; the same key with
-/// another text is a 422 `idempotency_key_reused`. The session remembers a
-/// key for at least 24 h (its 1000 newest keys at most).
-async fn send_message(
-    State(state): State<ApiState>,
-    Path(session_id): Path<String>,
-    headers: HeaderMap,
-    payload: Result<Json<SendMessageBody>, JsonRejection>,
-) -> Result<(StatusCode, Json<Value>), ApiError> {
-    let key = idempotency_key(&headers)?;
-    let request = body(payload)?;
-    let (sessions, _) = state.session(&session_id).await?;
-    let outcome = sessions
-        .send_user_message_with_key(&session_id, &request.text, key.as_deref())
-        .await?;
-    let answer = match (outcome, key) {
-        (SendOutcome::Blank, _) => {
-            return Err(ApiError::bad_request("text is blank; nothing was queued"))
-        }
-        (_, None) => json!({"queued": true}),
-        (outcome, Some(key)) => json!({
-            "queued": true,
-            "idempotency_key": key,
-            "replayed": outcome == SendOutcome::Replayed,
-        }),
-    };
-    Ok((StatusCode::ACCEPTED, Json(answer)))
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct MessagesQuery {
-    #[serde(default)]
-    after_sequence: Option<u64>,
-    #[serde(default)]
-    limit: Option<u32>,
-}
-
-async fn list_messages(
-    State(state): State<ApiState>,
-    Path(session_id): Path<String>,
-    params: Result<Query<MessagesQuery>, QueryRejection>,
-) -> Result<Json<Value>, ApiError> {
-    let params = query(params)?;
-    let (sessions, _) = state.session(&session_id).await?;
-    let page = sessions
-        .list_agent_messages(
-            &session_id,
-            ListAgentMessagesRequest {
-                after_sequence: params.after_sequence,
-                limit: params.limit.unwrap_or(50),
-            },
-        )
-        .await?;
-    Ok(Json(
-        serde_json::to_value(page).map_err(|err| ApiError::internal(err.to_string()))?,
-    ))
 }
 
 async fn resolve_interrupt(

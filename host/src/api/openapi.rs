@@ -3,7 +3,9 @@
 
 use serde_json::{json, Value};
 
-use crate::session::{MAX_IDEMPOTENCY_KEYS, MAX_IDEMPOTENCY_KEY_BYTES, MAX_USER_MESSAGE_BYTES};
+use crate::session::{
+    MAX_IDEMPOTENCY_KEYS, MAX_IDEMPOTENCY_KEY_BYTES, MAX_TURN_WAIT, MAX_USER_MESSAGE_BYTES,
+};
 
 fn error_responses(codes: &[u16]) -> Value {
     let mut responses = serde_json::Map::new();
@@ -94,16 +96,27 @@ pub fn document() -> Value {
                          a retry with the same key and text queues nothing and gets the first answer \
                          (202, with `\"replayed\": true`); the same key with another text is a 422. \
                          A session remembers a key for at least 24 hours, and at most its {MAX_IDEMPOTENCY_KEYS} newest keys. \
-                         A text over {MAX_USER_MESSAGE_BYTES} bytes is a 413 and nothing is queued."
+                         A text over {MAX_USER_MESSAGE_BYTES} bytes is a 413 and nothing is queued. \
+                         With `?wait=SECONDS` (0 to {max_wait}) the answer waits for the turn the message starts: \
+                         200 with the turn's new messages and usage when it completes (or its error when it fails), \
+                         202 with the turn id when it waits for an approval or the wait runs out. \
+                         A client that goes away does not cancel the turn; a replayed send waits for the first send's turn.",
+                        max_wait = MAX_TURN_WAIT.as_secs()
                     ),
                     "parameters": [
                         session_param(),
                         {"name": "Idempotency-Key", "in": "header", "required": false,
                          "description": format!("1 to {MAX_IDEMPOTENCY_KEY_BYTES} printable ASCII characters, no space at either end; a bad key is a 400 `invalid_idempotency_key`"),
-                         "schema": {"type": "string", "minLength": 1, "maxLength": MAX_IDEMPOTENCY_KEY_BYTES}}
+                         "schema": {"type": "string", "minLength": 1, "maxLength": MAX_IDEMPOTENCY_KEY_BYTES}},
+                        {"name": "wait", "in": "query", "required": false,
+                         "description": "Seconds to wait for the turn the message starts",
+                         "schema": {"type": "number", "minimum": 0, "maximum": MAX_TURN_WAIT.as_secs()}}
                     ],
                     "requestBody": json_body("SendMessage"),
-                    "responses": with_errors(json!({"202": json_ok("Queued (or, for a retried key, queued before)", "Queued")}), &[400, 401, 404, 409, 413, 422])
+                    "responses": with_errors(json!({
+                        "200": json_ok("With `wait`: the turn ended (`status` completed or failed)", "Queued"),
+                        "202": json_ok("Queued (or, for a retried key, queued before); with `wait`, the turn waits for an approval or still runs", "Queued")
+                    }), &[400, 401, 404, 409, 413, 422])
                 }
             },
             "/v1/sessions/{session_id}/interrupts": {"post": {
@@ -193,7 +206,14 @@ fn schemas() -> Value {
         "Queued": {"type": "object", "required": ["queued"], "properties": {
             "queued": {"type": "boolean"},
             "idempotency_key": {"type": "string", "description": "The request's Idempotency-Key; only when it sent one"},
-            "replayed": {"type": "boolean", "description": "Only with an Idempotency-Key: true when a message with this key was queued before and nothing was queued now"}}},
+            "replayed": {"type": "boolean", "description": "Only with an Idempotency-Key: true when a message with this key was queued before and nothing was queued now"},
+            "message_id": {"type": ["string", "null"], "description": "The queued message's id (a replay's is the first send's); the turn_started event of its turn carries it"},
+            "status": {"type": "string", "enum": ["completed", "failed", "waiting_for_approval", "running"], "description": "Only with `wait`: how the wait ended"},
+            "turn_id": {"type": ["string", "null"], "description": "Only with `wait`: the message's turn; null while it is still queued"},
+            "messages": {"type": "array", "items": {"$ref": "#/components/schemas/AgentMessage"}, "description": "Only when completed: the messages the turn added after the user's"},
+            "usage": {"type": "object", "description": "Only when completed: what the turn's model calls used"},
+            "error": {"type": "string", "description": "Only when failed"},
+            "interrupts": {"type": "array", "items": {"type": "object"}, "description": "Only when waiting_for_approval: the turn's pending approvals"}}},
         "ResolveInterrupt": {"type": "object", "required": ["interrupt_id", "approved"], "properties": {
             "interrupt_id": {"type": "string", "description": "<turn_id>/<tool_call_id>"}, "approved": {"type": "boolean"}, "rejection_message": {"type": ["string", "null"]}}},
         "Resolved": {"type": "object", "properties": {"resolved": {"type": "boolean"}}},

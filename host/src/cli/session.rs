@@ -12,6 +12,7 @@ use serde_json::json;
 use crate::config::{Deployment, DexaConfig};
 use crate::session::{
     new_session_id, AgentSessionClient, AgentSnapshot, ResolveInterruptRequest, SendOutcome,
+    TurnWait, MAX_TURN_WAIT,
 };
 
 #[derive(Args, Debug)]
@@ -61,6 +62,12 @@ pub enum SessionCommand {
         /// characters; the session remembers a key for at least 24 h.
         #[arg(long, value_name = "KEY")]
         idempotency_key: Option<String>,
+        /// Wait up to SECONDS (at most 300) for the turn the message starts
+        /// and print its new messages. Exits 0 when the turn completed, 1
+        /// when it failed, 2 when it still runs or waits for an approval
+        /// (the turn goes on either way).
+        #[arg(long, value_name = "SECONDS")]
+        wait: Option<u64>,
     },
     /// Approve a pending tool call (the only one when no id is given).
     Approve {
@@ -98,6 +105,96 @@ pub async fn session_client(
         .await?
         .with_context(|| format!("there is no session {session_id:?}"))?;
     deployment.sessions(&flow.flow_type)
+}
+
+/// `dexa session send`: queues the message and, with `wait`, waits for the
+/// turn it starts (see [`AgentSessionClient::wait_for_turn`]).
+async fn send(
+    sessions: &AgentSessionClient,
+    session_id: &str,
+    text: &str,
+    idempotency_key: Option<String>,
+    wait: Option<std::time::Duration>,
+    print: &impl Fn(serde_json::Value, String),
+) -> anyhow::Result<()> {
+    if wait.is_some_and(|wait| wait > MAX_TURN_WAIT) {
+        bail!(
+            "--wait is at most {} seconds; nothing was queued",
+            MAX_TURN_WAIT.as_secs()
+        );
+    }
+    let head = match wait {
+        Some(_) => Some(sessions.event_head(session_id).await?),
+        None => None,
+    };
+    let sent = sessions
+        .send_tracked(session_id, text, idempotency_key.as_deref())
+        .await?;
+    let replayed = sent.outcome == SendOutcome::Replayed;
+    let mut answer = match (sent.outcome, &idempotency_key) {
+        (SendOutcome::Blank, _) => bail!("the message is blank; nothing was queued"),
+        (_, None) => json!({"queued": true}),
+        (_, Some(key)) => json!({"queued": true, "idempotency_key": key, "replayed": replayed}),
+    };
+    answer["message_id"] = json!(sent.message_id);
+    let queued = match &idempotency_key {
+        Some(key) if replayed => {
+            format!("already queued with idempotency key {key:?}; nothing queued now")
+        }
+        _ => "queued".to_string(),
+    };
+    let (Some(wait), Some(head), Some(message_id)) = (wait, head, sent.message_id) else {
+        print(answer, queued);
+        return Ok(());
+    };
+    let after = if replayed { 0 } else { head };
+    let waited = sessions
+        .wait_for_turn(session_id, &message_id, after, wait)
+        .await?;
+    if let (Some(answer), serde_json::Value::Object(waited)) =
+        (answer.as_object_mut(), serde_json::to_value(&waited)?)
+    {
+        answer.extend(waited);
+    }
+    match &waited {
+        TurnWait::Completed { messages, .. } => {
+            let text: Vec<String> = messages
+                .iter()
+                .map(|m| {
+                    format!(
+                        "{}: {}",
+                        format!("{:?}", m.role).to_lowercase(),
+                        m.text.as_deref().unwrap_or("")
+                    )
+                })
+                .collect();
+            print(answer, text.join("\n"));
+            Ok(())
+        }
+        TurnWait::Failed { error, .. } => {
+            print(answer, format!("the turn failed: {error}"));
+            std::process::exit(1);
+        }
+        TurnWait::WaitingForApproval { interrupts, .. } => {
+            let ids: Vec<&str> = interrupts.iter().map(|i| i.interrupt_id.as_str()).collect();
+            print(
+                answer,
+                format!("{queued}; the turn waits for approval of {ids:?}"),
+            );
+            std::process::exit(2);
+        }
+        TurnWait::Running { turn_id } => {
+            let what = match turn_id {
+                Some(turn) => format!("{turn} still runs"),
+                None => "the message is still queued".to_string(),
+            };
+            print(
+                answer,
+                format!("{queued}; {what} after {} s", wait.as_secs()),
+            );
+            std::process::exit(2);
+        }
+    }
 }
 
 /// The interrupt to answer: the given one, or the only pending one.
@@ -165,27 +262,11 @@ pub async fn run(args: SessionArgs) -> anyhow::Result<()> {
             session_id,
             text,
             idempotency_key,
+            wait,
         } => {
             let sessions = session_client(&deployment, &session_id).await?;
-            let outcome = sessions
-                .send_user_message_with_key(&session_id, &text, idempotency_key.as_deref())
-                .await?;
-            match (outcome, idempotency_key) {
-                (SendOutcome::Blank, _) => bail!("the message is blank; nothing was queued"),
-                (_, None) => print(json!({"queued": true}), "queued".to_string()),
-                (outcome, Some(key)) => {
-                    let replayed = outcome == SendOutcome::Replayed;
-                    let text = if replayed {
-                        format!("already queued with idempotency key {key:?}; nothing queued now")
-                    } else {
-                        "queued".to_string()
-                    };
-                    print(
-                        json!({"queued": true, "idempotency_key": key, "replayed": replayed}),
-                        text,
-                    );
-                }
-            }
+            let wait = wait.map(std::time::Duration::from_secs);
+            send(&sessions, &session_id, &text, idempotency_key, wait, &print).await?;
         }
         SessionCommand::Approve {
             session_id,

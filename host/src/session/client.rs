@@ -113,6 +113,7 @@ fn remember_idempotency_key(
     tx: &mut dyn StateTx,
     key: &str,
     text_sha256: &str,
+    message_id: &str,
 ) -> Result<(), RpcError> {
     let now = tx.now();
     let newest = tx.read_map(
@@ -131,6 +132,7 @@ fn remember_idempotency_key(
         at: now,
         ordinal,
         text_sha256: text_sha256.to_string(),
+        message_id: Some(message_id.to_string()),
     };
     tx.set(
         IDEMPOTENCY_KEYS,
@@ -324,16 +326,38 @@ impl AgentSessionClient {
         text: &str,
         idempotency_key: Option<&str>,
     ) -> Result<SendOutcome, SessionError> {
+        Ok(self
+            .send_tracked(session_id, text, idempotency_key)
+            .await?
+            .outcome)
+    }
+
+    /// [`send_user_message_with_key`](Self::send_user_message_with_key),
+    /// answering with the queued message's id too: the `turn_started` event
+    /// of the turn it starts carries it (see [`Self::wait_for_turn`]). A
+    /// replay answers with the first send's id (none for a key recorded
+    /// before ids were given).
+    pub async fn send_tracked(
+        &self,
+        session_id: &str,
+        text: &str,
+        idempotency_key: Option<&str>,
+    ) -> Result<Sent, SessionError> {
         if let Some(key) = idempotency_key {
             check_idempotency_key(key)?;
         }
         self.check_user_message(text)?;
         if text.trim().is_empty() {
-            return Ok(SendOutcome::Blank);
+            return Ok(Sent {
+                outcome: SendOutcome::Blank,
+                message_id: None,
+            });
         }
+        let message_id = new_session_id("msg");
         let message = serde_json::to_value(AgentUserMessage {
             text: text.to_string(),
             requeued: 0,
+            message_id: Some(message_id.clone()),
         })
         .map_err(|err| RpcError::Rejected(err.to_string()))?;
         let key = idempotency_key.map(|key| {
@@ -359,7 +383,10 @@ impl AgentSessionClient {
                                 key: key.clone(),
                             }));
                         }
-                        return Ok(Ok(SendOutcome::Replayed));
+                        return Ok(Ok(Sent {
+                            outcome: SendOutcome::Replayed,
+                            message_id: seen.message_id,
+                        }));
                     }
                 }
                 if flow.status != FlowStatus::Running {
@@ -370,9 +397,12 @@ impl AgentSessionClient {
                 }
                 tx.publish(QUEUED_USER_MESSAGES, "", message.clone())?;
                 if let Some((key, text_sha256)) = &key {
-                    remember_idempotency_key(tx, key, text_sha256)?;
+                    remember_idempotency_key(tx, key, text_sha256, &message_id)?;
                 }
-                Ok(Ok(SendOutcome::Queued))
+                Ok(Ok(Sent {
+                    outcome: SendOutcome::Queued,
+                    message_id: Some(message_id.clone()),
+                }))
             })
             .await?;
         outcome

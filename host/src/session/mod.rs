@@ -19,6 +19,7 @@ pub mod policy;
 pub mod records;
 mod steps;
 mod versions;
+mod wait;
 
 pub use client::{new_session_id, AgentSessionClient, SessionError};
 pub use components::{AgentComponents, AgentConfigError, VersionError};
@@ -32,3 +33,4 @@ pub use policy::{ToolPolicies, ToolPolicyOverride};
 pub use records::*;
 pub use steps::{check_tool_calls_requested, step, turn_failure_note};
 pub use versions::{ActivationWatch, CatalogVersions, ComponentLoader};
+pub use wait::{TurnWait, MAX_TURN_WAIT};

@@ -375,6 +375,11 @@ pub struct AgentUserMessage {
     /// How often the host queued it again because the runner never ran.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub requeued: u32,
+    /// The id the send answered with; the `turn_started` (or `turn_failed`)
+    /// event of the turn it starts carries it, so that a sender can wait
+    /// for that turn. None for messages queued before ids were given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message_id: Option<String>,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -526,6 +531,18 @@ pub struct IdempotencyRecord {
     pub ordinal: u64,
     /// SHA-256 of the message's text, hex: a retry must carry the same text.
     pub text_sha256: String,
+    /// The queued message's id, which a retry is answered with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message_id: Option<String>,
+}
+
+/// What a send did, with the queued message's id.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Sent {
+    pub outcome: SendOutcome,
+    /// The id of the message queued (for a replay, of the one the first
+    /// send queued, if it has one); none for blank text.
+    pub message_id: Option<String>,
 }
 
 /// What sending a user message did.

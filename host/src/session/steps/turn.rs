@@ -138,6 +138,7 @@ impl SessionSteps {
                 let again = to_json(&AgentUserMessage {
                     text: text.to_string(),
                     requeued: user.requeued + 1,
+                    message_id: user.message_id.clone(),
                 });
                 return Ok(StepResult::go_to(await_user_message_call())
                     .with_writes(result.writes)
@@ -156,7 +157,11 @@ impl SessionSteps {
                     .set(AGENT_STATE, to_json(&state))
                     .append(
                         AGENT_EVENTS,
-                        session_event(&tag, event_type::TURN_FAILED, json!({"error": error})),
+                        session_event(
+                            &tag,
+                            event_type::TURN_FAILED,
+                            json!({"error": error, "message_id": user.message_id}),
+                        ),
                     ));
             }
             Err(err) => return Err(err),
@@ -182,7 +187,7 @@ impl SessionSteps {
                 session_event(
                     &tag,
                     event_type::TURN_STARTED,
-                    json!({"sequence": sequence, "runner": runner}),
+                    json!({"sequence": sequence, "runner": runner, "message_id": user.message_id}),
                 ),
             ))
     }
@@ -206,6 +211,7 @@ impl SessionSteps {
                 let user = AgentUserMessage {
                     text: text.to_string(),
                     requeued: 0,
+                    message_id: None,
                 };
                 self.begin_turn(&ctx, state, &user, result).await
             }

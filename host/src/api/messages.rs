@@ -1,0 +1,152 @@
+//! `/v1/sessions/{id}/messages`: queue a user message (and, with `?wait=`,
+//! wait for the turn it starts), and list the session's messages.
+
+use std::time::Duration;
+
+use axum::extract::rejection::{JsonRejection, QueryRejection};
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::{body, idempotency_key, query, ApiError, ApiState};
+use crate::session::{ListAgentMessagesRequest, SendOutcome, MAX_TURN_WAIT};
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct SendMessageBody {
+    text: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct SendQuery {
+    /// Wait up to this many seconds for the turn the message starts.
+    #[serde(default)]
+    wait: Option<f64>,
+}
+
+/// The `?wait=` duration: 0 to [`MAX_TURN_WAIT`] seconds.
+fn wait_duration(wait: f64) -> Result<Duration, ApiError> {
+    let max = MAX_TURN_WAIT.as_secs_f64();
+    if !wait.is_finite() || !(0.0..=max).contains(&wait) {
+        return Err(ApiError::bad_request(format!(
+            "wait must be a number of seconds from 0 to {max}; nothing was queued"
+        )));
+    }
+    Ok(Duration::from_secs_f64(wait))
+}
+
+/// Queues a user message. With an `Idempotency-Key` header, at most once per
+/// key and session: a retry with the same key and text queues nothing and
+/// gets the first answer, marked `"replayed": true`; the same key with
+/// another text is a 422 `idempotency_key_reused`. The session remembers a
+/// key for at least 24 h (its 1000 newest keys at most).
+///
+/// With `?wait=SECONDS` (up to 300) the answer waits for the turn the
+/// message starts: 200 with the turn's new messages and usage when it
+/// completes (or its error when it fails), 202 with the turn id when it
+/// needs an approval or the wait runs out. A client that goes away does not
+/// cancel the turn. A replayed send waits for the first send's turn.
+pub(super) async fn send_message(
+    State(state): State<ApiState>,
+    Path(session_id): Path<String>,
+    headers: HeaderMap,
+    params: Result<Query<SendQuery>, QueryRejection>,
+    payload: Result<Json<SendMessageBody>, JsonRejection>,
+) -> Result<(StatusCode, Json<Value>), ApiError> {
+    let key = idempotency_key(&headers)?;
+    let wait = query(params)?.wait.map(wait_duration).transpose()?;
+    let request = body(payload)?;
+    let (sessions, _) = state.session(&session_id).await?;
+    // Where the session's events stand before the send: the turn the
+    // message starts comes after.
+    let head = match wait {
+        Some(_) => Some(sessions.event_head(&session_id).await?),
+        None => None,
+    };
+    let sent = sessions
+        .send_tracked(&session_id, &request.text, key.as_deref())
+        .await?;
+    let mut answer = match (sent.outcome, &key) {
+        (SendOutcome::Blank, _) => {
+            return Err(ApiError::bad_request("text is blank; nothing was queued"))
+        }
+        (_, None) => json!({"queued": true}),
+        (outcome, Some(key)) => json!({
+            "queued": true,
+            "idempotency_key": key,
+            "replayed": outcome == SendOutcome::Replayed,
+        }),
+    };
+    answer["message_id"] = json!(sent.message_id);
+    let (Some(wait), Some(head), Some(message_id)) = (wait, head, sent.message_id) else {
+        return Ok((StatusCode::ACCEPTED, Json(answer)));
+    };
+    // A replay's turn may have started before this request: it is looked
+    // for from the oldest event kept.
+    let after = match sent.outcome {
+        SendOutcome::Replayed => 0,
+        _ => head,
+    };
+    let waited = sessions
+        .wait_for_turn(&session_id, &message_id, after, wait)
+        .await?;
+    let status = if waited.is_final() {
+        StatusCode::OK
+    } else {
+        StatusCode::ACCEPTED
+    };
+    let waited =
+        serde_json::to_value(&waited).map_err(|err| ApiError::internal(err.to_string()))?;
+    if let (Some(answer), Value::Object(waited)) = (answer.as_object_mut(), waited) {
+        answer.extend(waited);
+    }
+    Ok((status, Json(answer)))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct MessagesQuery {
+    #[serde(default)]
+    after_sequence: Option<u64>,
+    #[serde(default)]
+    limit: Option<u32>,
+}
+
+pub(super) async fn list_messages(
+    State(state): State<ApiState>,
+    Path(session_id): Path<String>,
+    params: Result<Query<MessagesQuery>, QueryRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let params = query(params)?;
+    let (sessions, _) = state.session(&session_id).await?;
+    let page = sessions
+        .list_agent_messages(
+            &session_id,
+            ListAgentMessagesRequest {
+                after_sequence: params.after_sequence,
+                limit: params.limit.unwrap_or(50),
+            },
+        )
+        .await?;
+    Ok(Json(
+        serde_json::to_value(page).map_err(|err| ApiError::internal(err.to_string()))?,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_wait_outside_zero_to_five_minutes_is_refused() {
+        assert!(wait_duration(0.0).is_ok());
+        assert_eq!(wait_duration(2.5).ok(), Some(Duration::from_millis(2500)));
+        assert!(wait_duration(300.0).is_ok());
+        for bad in [-1.0, 300.5, f64::NAN, f64::INFINITY] {
+            assert!(wait_duration(bad).is_err(), "{bad}");
+        }
+    }
+}

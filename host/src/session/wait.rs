@@ -1,0 +1,373 @@
+//! Waiting for the turn a sent message starts: what `POST
+//! /v1/sessions/{id}/messages?wait=SECONDS` and `dexa session send --wait`
+//! answer with.
+//!
+//! The waiter follows the session's event stream from where it stood before
+//! the send, woken by the store's stream signal (no fixed sleep): the
+//! `turn_started` event that carries the message's id names the turn, and
+//! that turn's `turn_completed`, `turn_failed` or `interrupt_raised` ends
+//! the wait. Only the host's own events count (a guest cannot write these
+//! types, and events a guest wrote are skipped anyway). Waiting changes
+//! nothing: a waiter that goes away (a client that disconnects) leaves the
+//! turn running.
+
+use std::time::Duration;
+
+use serde::Serialize;
+use tokio::time::Instant;
+
+use super::client::{AgentSessionClient, SessionError};
+use super::records::{
+    event_type, AgentEvent, AgentInterrupt, AgentMessage, AgentUsage, ListAgentMessagesRequest,
+    MAX_MESSAGE_PAGE,
+};
+
+/// The longest wait a caller may ask for.
+pub const MAX_TURN_WAIT: Duration = Duration::from_secs(300);
+
+/// How long a waiter sleeps between reads when its store cannot push
+/// appends to it.
+const WAIT_POLL: Duration = Duration::from_millis(50);
+
+/// With a push signal, the longest pause between reads: it only covers a
+/// notification lost in a reconnect.
+const WAIT_PUSH_FALLBACK: Duration = Duration::from_secs(2);
+
+/// Events one read takes.
+const WAIT_PAGE: usize = 200;
+
+/// How the wait for a sent message's turn ended.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(tag = "status", rename_all = "snake_case")]
+pub enum TurnWait {
+    /// The turn completed: the messages it added after the user's, and what
+    /// its model calls used.
+    Completed {
+        turn_id: String,
+        messages: Vec<AgentMessage>,
+        usage: AgentUsage,
+    },
+    /// The turn failed, or the message was given up before its turn ran.
+    Failed {
+        turn_id: Option<String>,
+        error: String,
+    },
+    /// The turn waits for a person to approve or reject these tool calls.
+    WaitingForApproval {
+        turn_id: String,
+        interrupts: Vec<AgentInterrupt>,
+    },
+    /// The wait ran out: the turn is running, or (no turn id) the message
+    /// is still queued behind another turn.
+    Running { turn_id: Option<String> },
+}
+
+impl TurnWait {
+    /// Whether the turn reached its end (completed or failed).
+    pub fn is_final(&self) -> bool {
+        matches!(self, TurnWait::Completed { .. } | TurnWait::Failed { .. })
+    }
+}
+
+/// What the waiter knows of the message's turn so far.
+#[derive(Default)]
+struct Followed {
+    turn_id: Option<String>,
+    /// The user message's sequence, from `turn_started`.
+    user_sequence: u64,
+    usage: AgentUsage,
+}
+
+/// What one event means for the wait: nothing yet, or its end.
+enum Seen {
+    Nothing,
+    Ended(TurnWait),
+    /// An interrupt was raised: the wait ends unless it was answered
+    /// already (then the turn goes on).
+    Interrupt,
+}
+
+fn follow(message_id: &str, followed: &mut Followed, event: &AgentEvent) -> Seen {
+    if event.origin.is_some() {
+        return Seen::Nothing;
+    }
+    let of_message = event.data.get("message_id").and_then(|v| v.as_str()) == Some(message_id);
+    let Some(turn) = followed.turn_id.clone() else {
+        if !of_message {
+            return Seen::Nothing;
+        }
+        return match event.event_type.as_str() {
+            event_type::TURN_STARTED => {
+                followed.turn_id = Some(event.turn_id.clone());
+                followed.user_sequence = event
+                    .data
+                    .get("sequence")
+                    .and_then(|v| v.as_u64())
+                    .unwrap_or(0);
+                Seen::Nothing
+            }
+            // Given up before its turn ran.
+            event_type::TURN_FAILED => Seen::Ended(TurnWait::Failed {
+                turn_id: Some(event.turn_id.clone()),
+                error: error_of(event),
+            }),
+            _ => Seen::Nothing,
+        };
+    };
+    if event.turn_id != turn {
+        return Seen::Nothing;
+    }
+    match event.event_type.as_str() {
+        event_type::USAGE_RECORDED => {
+            if let Some(recorded) = event
+                .data
+                .get("recorded")
+                .and_then(|v| serde_json::from_value::<AgentUsage>(v.clone()).ok())
+            {
+                followed.usage.add(&recorded);
+            }
+            Seen::Nothing
+        }
+        event_type::TURN_FAILED => Seen::Ended(TurnWait::Failed {
+            turn_id: Some(turn),
+            error: error_of(event),
+        }),
+        event_type::TURN_COMPLETED => Seen::Ended(TurnWait::Completed {
+            turn_id: turn,
+            messages: Vec::new(),
+            usage: followed.usage.clone(),
+        }),
+        event_type::INTERRUPT_RAISED => Seen::Interrupt,
+        _ => Seen::Nothing,
+    }
+}
+
+fn error_of(event: &AgentEvent) -> String {
+    event
+        .data
+        .get("error")
+        .and_then(|v| v.as_str())
+        .unwrap_or("the turn failed")
+        .to_string()
+}
+
+impl AgentSessionClient {
+    /// The sequence of the session's newest event: a send's waiter starts
+    /// after it, before the send, so that it cannot miss its turn's start.
+    pub async fn event_head(&self, session_id: &str) -> Result<i64, SessionError> {
+        let (_, next) = self.read_events(session_id, i64::MAX - 1, 1).await?;
+        Ok(next.saturating_sub(1))
+    }
+
+    /// Waits up to `timeout` (at most [`MAX_TURN_WAIT`]) for the turn that
+    /// message `message_id` starts, following the session's events after
+    /// `after_seq` (see [`Self::event_head`]).
+    pub async fn wait_for_turn(
+        &self,
+        session_id: &str,
+        message_id: &str,
+        after_seq: i64,
+        timeout: Duration,
+    ) -> Result<TurnWait, SessionError> {
+        let deadline = Instant::now() + timeout.min(MAX_TURN_WAIT);
+        let mut after = after_seq;
+        let mut followed = Followed::default();
+        loop {
+            // Armed before the read, so that an append between the read and
+            // the wait still wakes it.
+            let signal = self.event_signal(session_id);
+            let notified = signal.as_ref().map(|signal| signal.notified());
+            tokio::pin!(notified);
+            if let Some(notified) = notified.as_mut().as_pin_mut() {
+                notified.enable();
+            }
+            let (page, next) = self.read_events(session_id, after, WAIT_PAGE).await?;
+            let read_all = page.is_empty();
+            for (seq, event) in &page {
+                after = *seq;
+                match follow(message_id, &mut followed, event) {
+                    Seen::Nothing => {}
+                    Seen::Ended(TurnWait::Completed { turn_id, usage, .. }) => {
+                        let messages = self
+                            .turn_messages(session_id, &turn_id, followed.user_sequence)
+                            .await?;
+                        return Ok(TurnWait::Completed {
+                            turn_id,
+                            messages,
+                            usage,
+                        });
+                    }
+                    Seen::Ended(ended) => return Ok(ended),
+                    Seen::Interrupt => {
+                        let turn_id = followed.turn_id.clone().unwrap_or_default();
+                        let interrupts: Vec<AgentInterrupt> = self
+                            .get_agent_snapshot(session_id)
+                            .await?
+                            .pending_interrupts
+                            .into_iter()
+                            .filter(|i| i.turn_id == turn_id)
+                            .collect();
+                        if !interrupts.is_empty() {
+                            return Ok(TurnWait::WaitingForApproval {
+                                turn_id,
+                                interrupts,
+                            });
+                        }
+                    }
+                }
+            }
+            // A page of only unreadable events: step over it.
+            if page.is_empty() && next - 1 > after {
+                after = next - 1;
+                continue;
+            }
+            if !read_all {
+                continue;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Ok(TurnWait::Running {
+                    turn_id: followed.turn_id,
+                });
+            }
+            let left = deadline - now;
+            match notified.as_mut().as_pin_mut() {
+                Some(notified) => {
+                    let _ = tokio::time::timeout(left.min(WAIT_PUSH_FALLBACK), notified).await;
+                }
+                None => tokio::time::sleep(left.min(WAIT_POLL)).await,
+            }
+        }
+    }
+
+    /// The messages `turn_id` added after its user message, oldest first.
+    async fn turn_messages(
+        &self,
+        session_id: &str,
+        turn_id: &str,
+        user_sequence: u64,
+    ) -> Result<Vec<AgentMessage>, SessionError> {
+        let mut messages = Vec::new();
+        let mut after = user_sequence;
+        loop {
+            let page = self
+                .list_agent_messages(
+                    session_id,
+                    ListAgentMessagesRequest {
+                        after_sequence: Some(after),
+                        limit: MAX_MESSAGE_PAGE,
+                    },
+                )
+                .await?;
+            let mut ended = page.next_after_sequence.is_none();
+            for message in page.messages {
+                if message.turn_id != turn_id {
+                    ended = true;
+                    break;
+                }
+                after = message.sequence;
+                messages.push(message);
+            }
+            if ended {
+                return Ok(messages);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn event(event_type: &str, turn: &str, data: serde_json::Value) -> AgentEvent {
+        AgentEvent {
+            event_type: event_type.to_string(),
+            turn_id: turn.to_string(),
+            step_execution_id: "s".to_string(),
+            attempt: 1,
+            origin: None,
+            data,
+        }
+    }
+
+    #[test]
+    fn only_the_turn_started_by_the_message_is_followed() {
+        let mut followed = Followed::default();
+        let other = event(
+            event_type::TURN_STARTED,
+            "turn-1",
+            json!({"sequence": 1, "message_id": "msg-other"}),
+        );
+        assert!(matches!(
+            follow("msg-a", &mut followed, &other),
+            Seen::Nothing
+        ));
+        let done_other = event(event_type::TURN_COMPLETED, "turn-1", json!({}));
+        assert!(matches!(
+            follow("msg-a", &mut followed, &done_other),
+            Seen::Nothing
+        ));
+        let mine = event(
+            event_type::TURN_STARTED,
+            "turn-2",
+            json!({"sequence": 3, "message_id": "msg-a"}),
+        );
+        assert!(matches!(
+            follow("msg-a", &mut followed, &mine),
+            Seen::Nothing
+        ));
+        assert_eq!(followed.turn_id.as_deref(), Some("turn-2"));
+        assert_eq!(followed.user_sequence, 3);
+        let usage = event(
+            event_type::USAGE_RECORDED,
+            "turn-2",
+            json!({"recorded": {"input_tokens": 5, "output_tokens": 2, "total_tokens": 7, "model_calls": 1}}),
+        );
+        follow("msg-a", &mut followed, &usage);
+        follow("msg-a", &mut followed, &usage);
+        match follow(
+            "msg-a",
+            &mut followed,
+            &event(event_type::TURN_COMPLETED, "turn-2", json!({})),
+        ) {
+            Seen::Ended(TurnWait::Completed { turn_id, usage, .. }) => {
+                assert_eq!(turn_id, "turn-2");
+                assert_eq!(usage.total_tokens, 14);
+                assert_eq!(usage.model_calls, 2);
+            }
+            _ => panic!("the turn's completion ends the wait"),
+        }
+    }
+
+    #[test]
+    fn a_guest_event_never_ends_the_wait() {
+        let mut followed = Followed {
+            turn_id: Some("turn-1".to_string()),
+            ..Followed::default()
+        };
+        let mut forged = event(event_type::TURN_COMPLETED, "turn-1", json!({}));
+        forged.origin = Some("guest".to_string());
+        assert!(matches!(
+            follow("msg-a", &mut followed, &forged),
+            Seen::Nothing
+        ));
+    }
+
+    #[test]
+    fn a_message_given_up_before_its_turn_ran_ends_the_wait_failed() {
+        let mut followed = Followed::default();
+        let failed = event(
+            event_type::TURN_FAILED,
+            "turn-4",
+            json!({"error": "the user message could not be used", "message_id": "msg-a"}),
+        );
+        match follow("msg-a", &mut followed, &failed) {
+            Seen::Ended(TurnWait::Failed { turn_id, error }) => {
+                assert_eq!(turn_id.as_deref(), Some("turn-4"));
+                assert!(error.contains("could not be used"));
+            }
+            _ => panic!("a given-up message ends the wait"),
+        }
+    }
+}

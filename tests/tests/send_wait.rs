@@ -1,0 +1,285 @@
+//! Send and wait: `POST /v1/sessions/{id}/messages?wait=SECONDS` and `dexa
+//! session send --wait` answer with the turn the message starts, over real
+//! HTTP on loopback and from a CLI process whose worker is another process.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use dexa_tests::api_server::{helpdesk_config, ApiServer, TEST_TOKEN};
+use dexa_tests::kit::dexa_binary;
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+use tokio::process::Command;
+
+struct Served {
+    http: reqwest::Client,
+    server: ApiServer,
+}
+
+impl Served {
+    async fn new(script: Value) -> Self {
+        Self {
+            http: reqwest::Client::new(),
+            server: ApiServer::helpdesk(script).await,
+        }
+    }
+
+    async fn start(&self, id: &str) {
+        let response = self
+            .http
+            .post(format!("{}/v1/agents/Helpdesk/sessions", self.server.base))
+            .bearer_auth(TEST_TOKEN)
+            .json(&json!({ "session_id": id }))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::CREATED);
+    }
+
+    fn send_request(&self, id: &str, text: &str, query: &str) -> reqwest::RequestBuilder {
+        self.http
+            .post(format!(
+                "{}/v1/sessions/{id}/messages{query}",
+                self.server.base
+            ))
+            .bearer_auth(TEST_TOKEN)
+            .json(&json!({ "text": text }))
+    }
+
+    async fn send(&self, id: &str, text: &str, query: &str) -> (StatusCode, Value) {
+        let response = self.send_request(id, text, query).send().await.unwrap();
+        let status = response.status();
+        (status, response.json().await.unwrap())
+    }
+
+    async fn snapshot(&self, id: &str) -> Value {
+        self.http
+            .get(format!("{}/v1/sessions/{id}", self.server.base))
+            .bearer_auth(TEST_TOKEN)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    }
+
+    async fn idle_after(&self, id: &str, turns: u64) -> Value {
+        for _ in 0..2000 {
+            let snapshot = self.snapshot(id).await;
+            if snapshot["state"]["turn_count"].as_u64() >= Some(turns)
+                && snapshot["state"]["active_turn_id"].is_null()
+                && snapshot["queued_message_count"] == 0
+            {
+                return snapshot;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("session {id} never ran {turns} turns");
+    }
+}
+
+fn texts(messages: &Value) -> Vec<(String, String)> {
+    messages
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default()
+        .iter()
+        .map(|m| {
+            (
+                m["role"].as_str().unwrap_or_default().to_string(),
+                m["text"].as_str().unwrap_or_default().to_string(),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_send_that_waits_gets_its_own_turns_new_messages_and_usage() {
+    let served = Served::new(json!({"turns": [
+        {"steps": [{"text": "first", "usage": {"input": 10, "output": 5}}]},
+        {"steps": [{"text": "second", "sleep_ms": 400}]},
+        {"steps": [{"text": "third", "usage": {"input": 3, "output": 4}}]}
+    ]}))
+    .await;
+    served.start("s1").await;
+    let (status, answer) = served.send("s1", "hi", "?wait=30").await;
+    assert_eq!(status, StatusCode::OK, "{answer}");
+    assert_eq!(answer["status"], "completed", "{answer}");
+    assert_eq!(answer["turn_id"], "turn-1");
+    assert!(answer["message_id"]
+        .as_str()
+        .is_some_and(|id| !id.is_empty()));
+    assert_eq!(
+        texts(&answer["messages"]),
+        vec![("assistant".to_string(), "first".to_string())]
+    );
+    assert_eq!(answer["usage"]["input_tokens"], 10, "{answer}");
+    assert_eq!(answer["usage"]["output_tokens"], 5, "{answer}");
+
+    // A message queued behind a running turn waits for its own turn, not
+    // for the one running when it was sent.
+    let (status, queued) = served.send("s1", "slow one", "").await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{queued}");
+    let (status, answer) = served.send("s1", "after it", "?wait=30").await;
+    assert_eq!(status, StatusCode::OK, "{answer}");
+    assert_eq!(answer["turn_id"], "turn-3", "{answer}");
+    assert_eq!(
+        texts(&answer["messages"]),
+        vec![("assistant".to_string(), "third".to_string())]
+    );
+    assert_eq!(answer["usage"]["total_tokens"], 7, "{answer}");
+    assert_ne!(answer["message_id"], queued["message_id"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_send_that_waits_answers_202_when_its_turn_needs_an_approval_or_the_wait_runs_out() {
+    let served = Served::new(json!({"turns": [
+        {"steps": [
+            {"tool_calls": [{"id": "pay", "name": "log", "arguments": {"name": "pay"}}]},
+            {"text": "paid"}
+        ]},
+        {"steps": [{"text": "slowly", "sleep_ms": 1500}]}
+    ]}))
+    .await;
+    served.start("s1").await;
+    let (status, answer) = served.send("s1", "pay", "?wait=30").await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{answer}");
+    assert_eq!(answer["status"], "waiting_for_approval", "{answer}");
+    assert_eq!(answer["turn_id"], "turn-1");
+    assert_eq!(answer["interrupts"][0]["interrupt_id"], "turn-1/pay");
+    let response = served
+        .http
+        .post(format!("{}/v1/sessions/s1/interrupts", served.server.base))
+        .bearer_auth(TEST_TOKEN)
+        .json(&json!({"interrupt_id": "turn-1/pay", "approved": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    served.idle_after("s1", 1).await;
+
+    // The wait runs out while the model is still thinking.
+    let (status, answer) = served.send("s1", "think", "?wait=0.3").await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{answer}");
+    assert_eq!(answer["status"], "running", "{answer}");
+    assert_eq!(answer["turn_id"], "turn-2", "{answer}");
+    let snapshot = served.idle_after("s1", 2).await;
+    assert_eq!(snapshot["state"]["last_turn_error"], Value::Null);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_waiting_leaves_the_turn_running_and_a_retry_gets_its_answer() {
+    let served = Served::new(json!({"turns": [
+        {"steps": [{"text": "done at last", "sleep_ms": 1500}]}
+    ]}))
+    .await;
+    served.start("s1").await;
+    // The client gives up (a timeout, a closed tab) while the turn runs.
+    let gave_up = served
+        .send_request("s1", "take your time", "?wait=60")
+        .header("Idempotency-Key", "k1")
+        .timeout(Duration::from_millis(300))
+        .send()
+        .await;
+    assert!(
+        gave_up.as_ref().is_err_and(|err| err.is_timeout()),
+        "{gave_up:?}"
+    );
+    // Its retry, with the same key, queues nothing and waits for the first
+    // send's turn, which went on without the client.
+    let response = served
+        .send_request("s1", "take your time", "?wait=30")
+        .header("Idempotency-Key", "k1")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let answer: Value = response.json().await.unwrap();
+    assert_eq!(answer["replayed"], true, "{answer}");
+    assert_eq!(answer["status"], "completed", "{answer}");
+    assert_eq!(
+        texts(&answer["messages"]),
+        vec![("assistant".to_string(), "done at last".to_string())]
+    );
+    let snapshot = served.idle_after("s1", 1).await;
+    assert_eq!(
+        snapshot["state"]["turn_count"], 1,
+        "one turn ran: {snapshot}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_wait_is_a_typed_400_and_queues_nothing() {
+    let served = Served::new(json!({"turns": [{"steps": [{"text": "ok"}]}]})).await;
+    served.start("s1").await;
+    for query in [
+        "?wait=abc",
+        "?wait=-1",
+        "?wait=301",
+        "?wait=NaN",
+        "?wait=inf",
+    ] {
+        let (status, answer) = served.send("s1", "hi", query).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{query}: {answer}");
+        assert_eq!(answer["error"]["code"], "bad_request", "{query}: {answer}");
+    }
+    let snapshot = served.snapshot("s1").await;
+    assert_eq!(snapshot["queued_message_count"], 0, "{snapshot}");
+    assert_eq!(snapshot["state"]["turn_count"], 0, "{snapshot}");
+}
+
+async fn session_cli(config: &std::path::Path, args: &[&str]) -> (Option<i32>, String, String) {
+    let output = Command::new(dexa_binary())
+        .arg("session")
+        .args(args)
+        .arg("--config")
+        .arg(config)
+        .output()
+        .await
+        .unwrap();
+    (
+        output.status.code(),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dexa_session_send_wait_prints_the_turn_a_worker_in_another_process_ran() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = helpdesk_config(
+        dir.path(),
+        &json!({"turns": [
+            {"steps": [{"text": "hello from the worker"}]},
+            {"steps": [
+                {"tool_calls": [{"id": "pay", "name": "log", "arguments": {"name": "pay"}}]},
+                {"text": "paid"}
+            ]}
+        ]}),
+    );
+    let mut worker = Command::new(dexa_binary())
+        .args(["worker", "--config"])
+        .arg(&config)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let (code, _, err) = session_cli(&config, &["start", "Helpdesk", "--id", "s1"]).await;
+    assert_eq!(code, Some(0), "{err}");
+    let (code, out, err) = session_cli(&config, &["send", "s1", "hi", "--wait", "60"]).await;
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(out.trim(), "assistant: hello from the worker");
+    let (code, out, err) =
+        session_cli(&config, &["send", "s1", "pay", "--wait", "60", "--json"]).await;
+    assert_eq!(
+        code,
+        Some(2),
+        "an approval is not the turn's end: {out} {err}"
+    );
+    let answer: Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(answer["status"], "waiting_for_approval", "{answer}");
+    assert_eq!(answer["interrupts"][0]["interrupt_id"], "turn-2/pay");
+    let _ = worker.kill().await;
+}
