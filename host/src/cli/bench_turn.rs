@@ -71,6 +71,12 @@ pub struct TurnBenchArgs {
     /// Give it more than once to compare backends in one run.
     #[arg(long = "store", value_name = "sqlite|postgres://...")]
     pub stores: Vec<String>,
+    /// Also run the workload through `dexa serve` (its router and listener
+    /// on a loopback port) with an HTTP client: send-and-wait turns, send
+    /// then SSE turns (with the commit-to-client gap), and the throughput
+    /// of send-and-wait clients.
+    #[arg(long)]
+    pub over_http: bool,
 }
 
 /// One backend's figures, for the side-by-side table.
@@ -79,6 +85,16 @@ struct TurnFigures {
     sequential: (Duration, Duration),
     turns_per_second: f64,
     loaded: (Duration, Duration),
+    http: Option<super::bench_http::HttpFigures>,
+}
+
+/// The scripted runner's turn: `tool_calls` parallel `echo` calls, then
+/// the answer.
+fn script(tool_calls: usize) -> serde_json::Value {
+    let calls: Vec<_> = (1..=tool_calls)
+        .map(|n| json!({"id": format!("c{n}"), "name": "echo", "arguments": {"n": n}, "effect": "read"}))
+        .collect();
+    json!({"turns": [{"steps": [{"tool_calls": calls}, {"text": "done"}]}]})
 }
 
 pub(super) const AGENT: &str = "BenchAgent";
@@ -186,6 +202,29 @@ pub async fn run(args: TurnBenchArgs) -> anyhow::Result<()> {
         bench.finish().await;
         all.push(figures?);
     }
+    if args.over_http {
+        println!(
+            "turn/http-vs-in-process: backend | in-process p50 | send?wait p50 / p99 | send+SSE p50 / p99 | {} clients turns/s: in-process, HTTP",
+            args.clients
+        );
+        for f in &all {
+            if let Some(http) = &f.http {
+                println!(
+                    "turn/http-vs-in-process: {:<8} | {} | {} / {} ({:.2}x) | {} / {} ({:.2}x) | {:.0}, {:.0}",
+                    f.label,
+                    micros(f.sequential.0),
+                    micros(http.wait.0),
+                    micros(http.wait.1),
+                    http.wait.0.as_secs_f64() / f.sequential.0.as_secs_f64().max(1e-9),
+                    micros(http.sse.0),
+                    micros(http.sse.1),
+                    http.sse.0.as_secs_f64() / f.sequential.0.as_secs_f64().max(1e-9),
+                    f.turns_per_second,
+                    http.turns_per_second
+                );
+            }
+        }
+    }
     if all.len() > 1 {
         println!(
             "turn/side-by-side: backend | sequential p50 / p99 | {} clients: turns/s, p50 / p99",
@@ -235,10 +274,7 @@ async fn run_one(
         cache_dir: Some(args.engine.cache_dir.clone()),
         ..SandboxConfig::default()
     })?;
-    let calls: Vec<_> = (1..=args.tool_calls)
-        .map(|n| json!({"id": format!("c{n}"), "name": "echo", "arguments": {"n": n}, "effect": "read"}))
-        .collect();
-    let script = json!({"turns": [{"steps": [{"tool_calls": calls}, {"text": "done"}]}]});
+    let script = script(args.tool_calls);
     let mut config = std::collections::BTreeMap::new();
     config.insert("script".to_string(), script.to_string());
     let runner = engine.load_runner_file(
@@ -389,10 +425,20 @@ async fn run_one(
         steal_since(ticks),
     );
     worker.abort();
+    let sequential = (percentile(&latencies, 0.50), percentile(&latencies, 0.99));
+    let http = if args.over_http {
+        Some(
+            super::bench_http::run_http(args, bench_store, synchronous, &script, sequential.0)
+                .await?,
+        )
+    } else {
+        None
+    };
     Ok(TurnFigures {
         label,
-        sequential: (percentile(&latencies, 0.50), percentile(&latencies, 0.99)),
+        sequential,
         turns_per_second: loaded.len() as f64 / elapsed.as_secs_f64(),
         loaded: (percentile(&loaded, 0.50), percentile(&loaded, 0.99)),
+        http,
     })
 }

@@ -1,6 +1,7 @@
 //! The `dexa` command line.
 
 pub mod bench;
+pub mod bench_http;
 pub mod bench_scale;
 pub mod bench_store;
 pub mod bench_swap;

@@ -135,7 +135,7 @@ fn follow(message_id: &str, followed: &mut Followed, event: &AgentEvent) -> Seen
         event_type::TURN_COMPLETED => Seen::Ended(TurnWait::Completed {
             turn_id: turn,
             messages: Vec::new(),
-            usage: followed.usage.clone(),
+            usage: followed.usage,
         }),
         event_type::INTERRUPT_RAISED => Seen::Interrupt,
         _ => Seen::Nothing,
