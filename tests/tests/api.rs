@@ -495,7 +495,7 @@ async fn every_operation_in_the_openapi_document_is_routed_and_every_ref_resolve
             );
         }
     }
-    assert_eq!(operations, 15);
+    assert_eq!(operations, 16);
     fn refs(value: &Value, out: &mut Vec<String>) {
         match value {
             Value::Object(map) => {

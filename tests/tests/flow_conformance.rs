@@ -1276,6 +1276,97 @@ async fn a_large_commit_applies_whole_or_not_at_all(factory: &dyn StoreFactory) 
     );
 }
 
+/// A cancel's transaction takes every task of a flow and leaves one in their
+/// place: the running Step's lease is gone (its commit and its output are
+/// refused, and `lease_held` says so), the flow's stream readers are woken
+/// by the append in the same transaction, and the new task runs.
+async fn taking_a_flows_tasks_fences_the_running_step_and_wakes_its_readers(
+    factory: &dyn StoreFactory,
+) {
+    let stack = Stack::new(factory);
+    stack
+        .client
+        .start_flow("Noop", "taken", json!({"left": 0}))
+        .await
+        .expect("start");
+    let types = vec!["Noop".to_string()];
+    let running = claim_one(&stack, "worker-a", &types, 10_000)
+        .await
+        .expect("a task");
+    stack
+        .store
+        .record_output(running.task_id, running.lease_token)
+        .await
+        .expect("started");
+    assert!(stack
+        .store
+        .lease_held(running.task_id, running.lease_token)
+        .await
+        .expect("look"));
+    let signal = stack
+        .store
+        .stream_signal("taken")
+        .expect("both backends push appends");
+    let woken = signal.notified();
+    tokio::pin!(woken);
+    woken.as_mut().enable();
+    let registry = stack.client.registry().clone();
+    let now = stack.store.now().await.expect("now");
+    let replacement = registry
+        .new_task(
+            "Noop",
+            dexa::flow::StepCall::new(&running.step_type, json!({"left": 0, "replaced": true})),
+            now,
+            None,
+        )
+        .expect("task");
+    let taken = stack
+        .client
+        .rpc("taken", move |tx| {
+            let taken = tx.take_tasks()?;
+            tx.add_task(replacement.clone())?;
+            tx.append("events", json!({"cancel": true}))?;
+            Ok(taken)
+        })
+        .await
+        .expect("take");
+    assert_eq!(taken.len(), 1, "{taken:?}");
+    assert_eq!(taken[0].step_type, running.step_type);
+    assert_eq!(taken[0].input, json!({"left": 0}));
+    assert!(taken[0].leased && taken[0].output_recorded);
+    tokio::time::timeout(PATIENCE, woken)
+        .await
+        .expect("the append in the same transaction woke the flow's readers");
+    assert!(!stack
+        .store
+        .lease_held(running.task_id, running.lease_token)
+        .await
+        .expect("look"));
+    assert!(matches!(
+        stack
+            .store
+            .record_output(running.task_id, running.lease_token)
+            .await,
+        Err(StoreError::StaleLease { .. })
+    ));
+    let again = claim_one(&stack, "worker-b", &types, 10_000)
+        .await
+        .expect("the replacement is due");
+    assert_eq!(again.input, json!({"left": 0, "replaced": true}));
+    assert_ne!(again.task_id, running.task_id);
+    // A read-only transaction takes nothing.
+    let refused = stack
+        .client
+        .read_rpc("taken", |tx| Ok(tx.take_tasks()?))
+        .await;
+    assert!(refused.is_err(), "{refused:?}");
+    assert!(stack
+        .store
+        .lease_held(again.task_id, again.lease_token)
+        .await
+        .expect("look"));
+}
+
 async fn stopping_a_flow_keeps_its_state_readable(factory: &dyn StoreFactory) {
     let mut stack = Stack::new(factory);
     stack.start_worker();
@@ -1514,6 +1605,7 @@ backends!(
     a_redelivery_is_refused_once_output_is_recorded,
     a_single_attempt_step_never_acts_twice_under_lapsing_leases,
     stopping_a_flow_keeps_its_state_readable,
+    taking_a_flows_tasks_fences_the_running_step_and_wakes_its_readers,
     a_killed_worker_process_mid_step,
     leases_fence_the_retry_policy,
 );

@@ -281,5 +281,84 @@ async fn dexa_session_send_wait_prints_the_turn_a_worker_in_another_process_ran(
     let answer: Value = serde_json::from_str(out.trim()).unwrap();
     assert_eq!(answer["status"], "waiting_for_approval", "{answer}");
     assert_eq!(answer["interrupts"][0]["interrupt_id"], "turn-2/pay");
+    let (code, out, err) = session_cli(&config, &["cancel", "s1"]).await;
+    assert_eq!((code, out.trim()), (Some(0), "cancelled turn-2"), "{err}");
+    let mut idle = false;
+    for _ in 0..500 {
+        let (_, out, _) = session_cli(&config, &["cancel", "s1"]).await;
+        if out.trim() == "no turn is running" {
+            idle = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(idle, "the cancelled turn ended");
     let _ = worker.kill().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_is_cancelled_and_steered_over_http() {
+    let served = Served::new(json!({"turns": [
+        {"steps": [{"text": "late", "sleep_ms": 30000}]},
+        {"steps": [{"text": "late again", "sleep_ms": 30000}]},
+        {"steps": [{"text": "steered"}]}
+    ]}))
+    .await;
+    served.start("s1").await;
+    // A sender waiting on its turn learns that it was cancelled.
+    let waiting = tokio::spawn(served.send_request("s1", "think", "?wait=30").send());
+    let cancel = |served: &Served| {
+        served
+            .http
+            .post(format!("{}/v1/sessions/s1/turn/cancel", served.server.base))
+            .bearer_auth(TEST_TOKEN)
+            .send()
+    };
+    let mut cancelled = Value::Null;
+    for _ in 0..500 {
+        cancelled = cancel(&served).await.unwrap().json().await.unwrap();
+        if cancelled["cancelled"] == true {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(cancelled, json!({"cancelled": true, "turn_id": "turn-1"}));
+    let waited = waiting.await.unwrap().unwrap();
+    assert_eq!(waited.status(), StatusCode::OK);
+    let waited: Value = waited.json().await.unwrap();
+    assert_eq!(waited["status"], "cancelled", "{waited}");
+    assert_eq!(waited["turn_id"], "turn-1");
+    let snapshot = served.idle_after("s1", 1).await;
+    assert_eq!(snapshot["state"]["last_turn_error"], Value::Null);
+    let nothing: Value = cancel(&served).await.unwrap().json().await.unwrap();
+    assert_eq!(nothing, json!({"cancelled": false}));
+
+    // Steer: a slow turn runs; "instead" stops it and starts the next.
+    let (status, _) = served.send("s1", "slow", "").await;
+    assert_eq!(status, StatusCode::ACCEPTED);
+    for _ in 0..500 {
+        if served.snapshot("s1").await["state"]["active_turn_id"] == "turn-2" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let response = served
+        .http
+        .post(format!(
+            "{}/v1/sessions/s1/messages?wait=30",
+            served.server.base
+        ))
+        .bearer_auth(TEST_TOKEN)
+        .json(&json!({"text": "instead", "interrupt": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let answer: Value = response.json().await.unwrap();
+    assert_eq!(answer["interrupted"], "turn-2", "{answer}");
+    assert_eq!(answer["turn_id"], "turn-3", "{answer}");
+    assert_eq!(
+        texts(&answer["messages"]),
+        vec![("assistant".to_string(), "steered".to_string())]
+    );
 }

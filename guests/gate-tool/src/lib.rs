@@ -5,7 +5,8 @@
 //! - `gate` `{"name": "a", "await": ["b"], "timeout_ms": 10000}`: appends
 //!   `<name>` to `/gates/invocations.log`, creates `/gates/<name>.reached`,
 //!   then waits until every gate in `await` is reached too, or, when `await`
-//!   is empty, until `/gates/<name>.release` exists. It fails with an
+//!   is empty, until `/gates/<name>.release` exists, then creates
+//!   `/gates/<name>.passed`. It fails with an
 //!   execution error when the wait times out, so two gates that await each
 //!   other pass only when their calls really overlap.
 //! - `log` `{"name": "a"}`: appends `<name>` to `/gates/invocations.log`
@@ -90,6 +91,10 @@ fn gate(args: GateArgs, key: &str) -> Result<String, ToolError> {
                 .all(|other| Path::new(&format!("{ROOT}/{other}.reached")).exists())
         };
         if open {
+            // Proof that the call ran on past its gate (a cancel test
+            // looks for its absence).
+            std::fs::write(format!("{ROOT}/{}.passed", args.name), key)
+                .map_err(|err| ToolError::Internal(err.to_string()))?;
             std::thread::sleep(Duration::from_millis(args.hold_ms));
             return Ok(format!("gate {} passed", args.name));
         }

@@ -34,8 +34,9 @@
 //! each id, as a framework running its own tools would), `"events": [{"type":
 //! "name", "payload": {...}}]` (writes each as a custom event) and
 //! `"gate": "name"` (logs the same way, creates `/gates/<name>.reached` and
-//! waits up to 60 s for `/gates/<name>.release`; crash tests kill the worker
-//! there). Both need `/gates` granted. `effect` is the framework effect passed to `resolve-tool-policy`;
+//! waits up to 60 s for `/gates/<name>.release`, then creates
+//! `/gates/<name>.passed`; crash tests kill the worker there, cancel tests
+//! look for the `.passed` a stopped call never writes). Both need `/gates` granted. `effect` is the framework effect passed to `resolve-tool-policy`;
 //! a tool call's `"requires_approval"` overrides the policy it returned.
 //!
 //! The config key `user_role` makes `build-user-message` use another role, to
@@ -221,6 +222,7 @@ fn gate(name: &str, call: &str) -> Result<(), String> {
         }
         std::thread::sleep(std::time::Duration::from_millis(2));
     }
+    std::fs::write(format!("/gates/{name}.passed"), call).map_err(|err| err.to_string())?;
     Ok(())
 }
 

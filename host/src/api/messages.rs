@@ -1,5 +1,6 @@
 //! `/v1/sessions/{id}/messages`: queue a user message (and, with `?wait=`,
-//! wait for the turn it starts), and list the session's messages.
+//! wait for the turn it starts; with `interrupt`, steer), list the
+//! session's messages; and `/v1/sessions/{id}/turn/cancel`.
 
 use std::time::Duration;
 
@@ -11,12 +12,15 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::{body, idempotency_key, query, ApiError, ApiState};
-use crate::session::{ListAgentMessagesRequest, SendOutcome, MAX_TURN_WAIT};
+use crate::session::{CancelOutcome, ListAgentMessagesRequest, SendOutcome, MAX_TURN_WAIT};
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct SendMessageBody {
     text: String,
+    /// Steer: cancel the running turn and start the next with this message.
+    #[serde(default)]
+    interrupt: bool,
 }
 
 #[derive(Deserialize)]
@@ -67,7 +71,12 @@ pub(super) async fn send_message(
         None => None,
     };
     let sent = sessions
-        .send_tracked(&session_id, &request.text, key.as_deref())
+        .send_tracked(
+            &session_id,
+            &request.text,
+            key.as_deref(),
+            request.interrupt,
+        )
         .await?;
     let mut answer = match (sent.outcome, &key) {
         (SendOutcome::Blank, _) => {
@@ -81,6 +90,9 @@ pub(super) async fn send_message(
         }),
     };
     answer["message_id"] = json!(sent.message_id);
+    if request.interrupt {
+        answer["interrupted"] = json!(sent.interrupted);
+    }
     let (Some(wait), Some(head), Some(message_id)) = (wait, head, sent.message_id) else {
         return Ok((StatusCode::ACCEPTED, Json(answer)));
     };
@@ -104,6 +116,22 @@ pub(super) async fn send_message(
         answer.extend(waited);
     }
     Ok((status, Json(answer)))
+}
+
+/// Cancels the running turn (see [`AgentSessionClient::cancel_turn`]):
+/// `{"cancelled": true, "turn_id"}`, or `{"cancelled": false}` when no turn
+/// runs.
+///
+/// [`AgentSessionClient::cancel_turn`]: crate::session::AgentSessionClient::cancel_turn
+pub(super) async fn cancel_turn(
+    State(state): State<ApiState>,
+    Path(session_id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let (sessions, _) = state.session(&session_id).await?;
+    Ok(Json(match sessions.cancel_turn(&session_id).await? {
+        CancelOutcome::Cancelled { turn_id } => json!({"cancelled": true, "turn_id": turn_id}),
+        CancelOutcome::NoTurn => json!({"cancelled": false}),
+    }))
 }
 
 #[derive(Deserialize)]

@@ -89,6 +89,10 @@ pub fn router(state: ApiState) -> Router {
             "/v1/sessions/{session_id}/interrupts",
             post(resolve_interrupt),
         )
+        .route(
+            "/v1/sessions/{session_id}/turn/cancel",
+            post(messages::cancel_turn),
+        )
         .route("/v1/sessions/{session_id}/stop", post(stop_session))
         .route("/v1/sessions/{session_id}/history", get(step_history))
         .route("/v1/sessions/{session_id}/events", get(events))

@@ -114,7 +114,7 @@ pub fn document() -> Value {
                     ],
                     "requestBody": json_body("SendMessage"),
                     "responses": with_errors(json!({
-                        "200": json_ok("With `wait`: the turn ended (`status` completed or failed)", "Queued"),
+                        "200": json_ok("With `wait`: the turn ended (`status` completed, failed or cancelled)", "Queued"),
                         "202": json_ok("Queued (or, for a retried key, queued before); with `wait`, the turn waits for an approval or still runs", "Queued")
                     }), &[400, 401, 404, 409, 413, 422])
                 }
@@ -124,6 +124,12 @@ pub fn document() -> Value {
                 "parameters": [session_param()],
                 "requestBody": json_body("ResolveInterrupt"),
                 "responses": with_errors(json!({"200": json_ok("Whether it was pending and is now resolved", "Resolved")}), &[400, 401, 404, 409, 413])
+            }},
+            "/v1/sessions/{session_id}/turn/cancel": {"post": {
+                "operationId": "cancelTurn", "summary": "Cancel the running turn",
+                "description": "The turn's running guest calls are stopped on whichever worker runs them; its unfinished tool calls are recorded `cancelled` (a single-attempt write that had started, `outcome_unknown`); a note listing them goes into the history and `turn_cancelled` ends the turn. Queued messages stay queued and the session goes on.",
+                "parameters": [session_param()],
+                "responses": with_errors(json!({"200": json_ok("Whether a turn was running and is being cancelled", "TurnCancel")}), &[401, 404, 409])
             }},
             "/v1/sessions/{session_id}/stop": {"post": {
                 "operationId": "stopSession", "summary": "Stop the session; its state stays readable",
@@ -202,13 +208,20 @@ fn schemas() -> Value {
             "session_id": {"type": "string"}, "agent": {"type": "string"}, "status": {"$ref": "#/components/schemas/FlowStatus"},
             "created_at": {"type": "integer"}, "updated_at": {"type": "integer"}, "error": {"type": ["string", "null"]}}}}}},
         "FlowStatus": {"type": "string", "enum": ["running", "completed", "failed", "stopped"]},
-        "SendMessage": {"type": "object", "required": ["text"], "properties": {"text": {"type": "string", "description": format!("At most {MAX_USER_MESSAGE_BYTES} bytes of UTF-8")}}, "additionalProperties": false},
+        "SendMessage": {"type": "object", "required": ["text"], "properties": {
+            "text": {"type": "string", "description": format!("At most {MAX_USER_MESSAGE_BYTES} bytes of UTF-8")},
+            "interrupt": {"type": "boolean", "default": false, "description": "Steer: cancel the running turn (as /turn/cancel does) and start the next turn with this message, ahead of the queue; with no turn running it is queued as usual"}},
+            "additionalProperties": false},
+        "TurnCancel": {"type": "object", "required": ["cancelled"], "properties": {
+            "cancelled": {"type": "boolean", "description": "False when no turn was running"},
+            "turn_id": {"type": "string", "description": "The cancelled turn"}}},
         "Queued": {"type": "object", "required": ["queued"], "properties": {
             "queued": {"type": "boolean"},
             "idempotency_key": {"type": "string", "description": "The request's Idempotency-Key; only when it sent one"},
             "replayed": {"type": "boolean", "description": "Only with an Idempotency-Key: true when a message with this key was queued before and nothing was queued now"},
+            "interrupted": {"type": ["string", "null"], "description": "Only with `interrupt`: the turn it cancelled, null when none ran"},
             "message_id": {"type": ["string", "null"], "description": "The queued message's id (a replay's is the first send's); the turn_started event of its turn carries it"},
-            "status": {"type": "string", "enum": ["completed", "failed", "waiting_for_approval", "running"], "description": "Only with `wait`: how the wait ended"},
+            "status": {"type": "string", "enum": ["completed", "failed", "cancelled", "waiting_for_approval", "running"], "description": "Only with `wait`: how the wait ended"},
             "turn_id": {"type": ["string", "null"], "description": "Only with `wait`: the message's turn; null while it is still queued"},
             "messages": {"type": "array", "items": {"$ref": "#/components/schemas/AgentMessage"}, "description": "Only when completed: the messages the turn added after the user's"},
             "usage": {"type": "object", "description": "Only when completed: what the turn's model calls used"},
@@ -227,7 +240,7 @@ fn schemas() -> Value {
             "tool_call_id": {"type": "string"}, "turn_id": {"type": "string"}, "tool_name": {"type": "string"}, "arguments": {"type": "string"},
             "effect": {"type": "string", "enum": ["read", "idempotent_write", "non_idempotent_write", "unclassified"]},
             "requires_approval": {"type": "boolean"},
-            "status": {"type": "string", "enum": ["pending", "approved", "rejected", "succeeded", "failed", "outcome_unknown"]},
+            "status": {"type": "string", "enum": ["pending", "approved", "rejected", "succeeded", "failed", "outcome_unknown", "cancelled"]},
             "output": {"type": ["string", "null"]}, "error": {"type": ["string", "null"]}, "rejection_message": {"type": ["string", "null"]}, "deferral_order": {"type": "integer"},
             "component": {"type": "string", "description": "The tool component that runs it; absent when the runner does"},
             "digest": {"type": "string", "description": "The version it is pinned to (decided at deferral)"}}},

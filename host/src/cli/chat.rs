@@ -16,7 +16,9 @@ use tokio::io::{AsyncBufReadExt, BufReader, Lines, Stdin};
 use super::worker::print_progress;
 use crate::config::{Deployment, DexaConfig};
 use crate::flow::FlowStatus;
-use crate::session::{event_type, new_session_id, AgentSessionClient, ResolveInterruptRequest};
+use crate::session::{
+    event_type, new_session_id, AgentSessionClient, CancelOutcome, ResolveInterruptRequest,
+};
 
 #[derive(Args, Debug)]
 pub struct ChatArgs {
@@ -182,7 +184,13 @@ impl Chat {
     async fn talk(&mut self) -> anyhow::Result<()> {
         loop {
             out("you> ");
-            let Some(line) = self.lines.next_line().await? else {
+            // Ctrl-C cancels a running turn (see `follow_turn`); at the
+            // prompt it leaves, as it would without the handler.
+            let line = tokio::select! {
+                line = self.lines.next_line() => line?,
+                _ = tokio::signal::ctrl_c() => None,
+            };
+            let Some(line) = line else {
                 println!();
                 return Ok(());
             };
@@ -237,7 +245,19 @@ impl Chat {
                         return Ok(());
                     }
                 }
-                tokio::time::sleep(POLL).await;
+                tokio::select! {
+                    _ = tokio::time::sleep(POLL) => {}
+                    _ = tokio::signal::ctrl_c() => {
+                        if in_text {
+                            println!();
+                            in_text = false;
+                        }
+                        match self.sessions.cancel_turn(&self.session_id).await? {
+                            CancelOutcome::Cancelled { .. } => println!("  [cancelling the turn]"),
+                            CancelOutcome::NoTurn => return Ok(()),
+                        }
+                    }
+                }
                 continue;
             }
             quiet_polls = 0;
@@ -299,6 +319,13 @@ impl Chat {
                             println!();
                         }
                         println!("  [the turn failed: {}]", field("error"));
+                        return Ok(());
+                    }
+                    event_type::TURN_CANCELLED => {
+                        if in_text {
+                            println!();
+                        }
+                        println!("  [the turn was cancelled]");
                         return Ok(());
                     }
                     _ => {}

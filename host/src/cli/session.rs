@@ -11,8 +11,8 @@ use serde_json::json;
 
 use crate::config::{Deployment, DexaConfig};
 use crate::session::{
-    new_session_id, AgentSessionClient, AgentSnapshot, ResolveInterruptRequest, SendOutcome,
-    TurnWait, MAX_TURN_WAIT,
+    new_session_id, AgentSessionClient, AgentSnapshot, CancelOutcome, ResolveInterruptRequest,
+    SendOutcome, TurnWait, MAX_TURN_WAIT,
 };
 
 #[derive(Args, Debug)]
@@ -68,7 +68,15 @@ pub enum SessionCommand {
         /// (the turn goes on either way).
         #[arg(long, value_name = "SECONDS")]
         wait: Option<u64>,
+        /// Steer: cancel the running turn and start the next one with this
+        /// message (queued as usual when no turn runs).
+        #[arg(long)]
+        interrupt: bool,
     },
+    /// Cancel the running turn: its guest calls stop, its unfinished tool
+    /// calls are recorded, a note goes into the history; queued messages
+    /// stay queued.
+    Cancel { session_id: String },
     /// Approve a pending tool call (the only one when no id is given).
     Approve {
         session_id: String,
@@ -109,14 +117,24 @@ pub async fn session_client(
 
 /// `dexa session send`: queues the message and, with `wait`, waits for the
 /// turn it starts (see [`AgentSessionClient::wait_for_turn`]).
+struct SendArgs {
+    idempotency_key: Option<String>,
+    wait: Option<std::time::Duration>,
+    interrupt: bool,
+}
+
 async fn send(
     sessions: &AgentSessionClient,
     session_id: &str,
     text: &str,
-    idempotency_key: Option<String>,
-    wait: Option<std::time::Duration>,
+    args: SendArgs,
     print: &impl Fn(serde_json::Value, String),
 ) -> anyhow::Result<()> {
+    let SendArgs {
+        idempotency_key,
+        wait,
+        interrupt,
+    } = args;
     if wait.is_some_and(|wait| wait > MAX_TURN_WAIT) {
         bail!(
             "--wait is at most {} seconds; nothing was queued",
@@ -128,7 +146,7 @@ async fn send(
         None => None,
     };
     let sent = sessions
-        .send_tracked(session_id, text, idempotency_key.as_deref())
+        .send_tracked(session_id, text, idempotency_key.as_deref(), interrupt)
         .await?;
     let replayed = sent.outcome == SendOutcome::Replayed;
     let mut answer = match (sent.outcome, &idempotency_key) {
@@ -137,8 +155,12 @@ async fn send(
         (_, Some(key)) => json!({"queued": true, "idempotency_key": key, "replayed": replayed}),
     };
     answer["message_id"] = json!(sent.message_id);
-    let queued = match &idempotency_key {
-        Some(key) if replayed => {
+    if interrupt {
+        answer["interrupted"] = json!(sent.interrupted);
+    }
+    let queued = match (&idempotency_key, &sent.interrupted) {
+        (_, Some(turn)) => format!("cancelled {turn}; the message starts the next turn"),
+        (Some(key), _) if replayed => {
             format!("already queued with idempotency key {key:?}; nothing queued now")
         }
         _ => "queued".to_string(),
@@ -173,6 +195,10 @@ async fn send(
         }
         TurnWait::Failed { error, .. } => {
             print(answer, format!("the turn failed: {error}"));
+            std::process::exit(1);
+        }
+        TurnWait::Cancelled { turn_id } => {
+            print(answer, format!("{turn_id} was cancelled"));
             std::process::exit(1);
         }
         TurnWait::WaitingForApproval { interrupts, .. } => {
@@ -263,10 +289,29 @@ pub async fn run(args: SessionArgs) -> anyhow::Result<()> {
             text,
             idempotency_key,
             wait,
+            interrupt,
         } => {
             let sessions = session_client(&deployment, &session_id).await?;
             let wait = wait.map(std::time::Duration::from_secs);
-            send(&sessions, &session_id, &text, idempotency_key, wait, &print).await?;
+            let send_args = SendArgs {
+                idempotency_key,
+                wait,
+                interrupt,
+            };
+            send(&sessions, &session_id, &text, send_args, &print).await?;
+        }
+        SessionCommand::Cancel { session_id } => {
+            let sessions = session_client(&deployment, &session_id).await?;
+            match sessions.cancel_turn(&session_id).await? {
+                CancelOutcome::Cancelled { turn_id } => print(
+                    json!({"cancelled": true, "turn_id": turn_id}),
+                    format!("cancelled {turn_id}"),
+                ),
+                CancelOutcome::NoTurn => print(
+                    json!({"cancelled": false}),
+                    "no turn is running".to_string(),
+                ),
+            }
         }
         SessionCommand::Approve {
             session_id,

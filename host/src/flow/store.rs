@@ -9,7 +9,7 @@ use tokio::sync::Notify;
 
 use super::types::{
     ClaimedTask, FlowInfo, FlowStatus, Json, MapQuery, NewTask, StateWrite, StepHistoryEntry,
-    StoreMillis, StreamPage, Versioned,
+    StoreMillis, StreamPage, TakenTask, Versioned,
 };
 
 /// Why a store operation failed.
@@ -182,6 +182,17 @@ pub trait StateTx {
         name: &str,
         query: &MapQuery,
     ) -> Result<Vec<(String, Versioned)>, StoreError>;
+    /// Drops every task of the flow (waiting, due or running) with their
+    /// locks, and says what each was, oldest first. A running Step loses its
+    /// lease: its commit and its heartbeats are refused, and its worker,
+    /// woken by an append to the flow's streams in the same transaction,
+    /// stops it (see [`FlowStore::lease_held`]).
+    fn take_tasks(&mut self) -> Result<Vec<TakenTask>, StoreError>;
+    /// Adds a task to the flow.
+    fn add_task(&mut self, task: NewTask) -> Result<(), StoreError>;
+    /// Appends `payload` to the flow's `stream`; its readers are woken at
+    /// commit.
+    fn append(&mut self, stream: &str, payload: Json) -> Result<i64, StoreError>;
 }
 
 /// The body of an RPC; its value travels back type-erased.
@@ -238,6 +249,11 @@ pub trait FlowStore: Send + Sync + 'static {
         held: &[(i64, i64)],
         lease_ms: i64,
     ) -> Result<Vec<(i64, i64)>, StoreError>;
+    /// Whether the lease `(task_id, lease_token)` still stands: false once
+    /// the task was taken from its flow (a cancel), finished, or leased
+    /// again. A read: a worker asks it when its flow's streams move while it
+    /// runs a Step of that flow, to stop a Step whose task was taken.
+    async fn lease_held(&self, task_id: i64, lease_token: i64) -> Result<bool, StoreError>;
     /// Records that the Step produced output (a heartbeat), fenced by the
     /// lease token and by an unexpired lease: a Step whose lease ran out gets
     /// `StaleLease` and must not act. Together with [`FailureAction::Redeliver`]

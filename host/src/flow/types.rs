@@ -330,6 +330,23 @@ pub struct NewTask {
     pub not_before: StoreMillis,
 }
 
+/// A task an RPC took from its flow ([`crate::flow::StateTx::take_tasks`]):
+/// what it was when it was dropped.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TakenTask {
+    pub step_type: String,
+    pub input: Json,
+    /// A worker held it: its Step was running (and its commit is now
+    /// refused).
+    pub leased: bool,
+    /// The running attempt had recorded output (a heartbeat, a started
+    /// marker): it may have acted.
+    pub output_recorded: bool,
+    pub attempt: u32,
+    /// For a failure-route task: why the failed Step failed.
+    pub failure: Option<String>,
+}
+
 /// A message taken from a channel.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ChannelMessage {

@@ -369,7 +369,8 @@ async fn run_one(
                     entry.abort = Some(handle.abort_handle());
                 }
             }
-            supervise(handle, &task.policy, &heartbeat).await
+            let taken = super::revoke::lease_taken(store.clone(), task.clone());
+            supervise(handle, &task.policy, &heartbeat, taken).await
         }
     };
     let component = component.and_then(|ctx| ctx.component());
@@ -385,6 +386,15 @@ async fn run_one(
             }
             claimed.into_iter().next()
         }
+        Err(AttemptError::Taken) => {
+            tracing::info!(
+                flow_id = %task.flow_id,
+                step = %task.step_type,
+                attempt = task.attempt,
+                "the Step's task was taken from its flow; the Step was stopped"
+            );
+            None
+        }
         Err(err) => {
             fail(store, registry, &task, err, component).await;
             None
@@ -397,7 +407,9 @@ async fn supervise(
     mut handle: tokio::task::JoinHandle<Result<StepResult, StepError>>,
     policy: &RetryPolicy,
     heartbeat: &Heartbeat,
+    taken: impl Future<Output = ()>,
 ) -> Result<StepResult, AttemptError> {
+    tokio::pin!(taken);
     let started = Instant::now();
     let attempt_deadline = policy.attempt_timeout.map(|t| started + t);
     loop {
@@ -417,6 +429,10 @@ async fn supervise(
                     ))),
                     Err(_) => Err(AttemptError::Step(StepError::retryable("the step was cancelled"))),
                 };
+            }
+            () = &mut taken => {
+                handle.abort();
+                return Err(AttemptError::Taken);
             }
             _ = tokio::time::sleep_until(wake.into()) => {
                 let now = Instant::now();

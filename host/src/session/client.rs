@@ -327,7 +327,7 @@ impl AgentSessionClient {
         idempotency_key: Option<&str>,
     ) -> Result<SendOutcome, SessionError> {
         Ok(self
-            .send_tracked(session_id, text, idempotency_key)
+            .send_tracked(session_id, text, idempotency_key, false)
             .await?
             .outcome)
     }
@@ -337,11 +337,16 @@ impl AgentSessionClient {
     /// of the turn it starts carries it (see [`Self::wait_for_turn`]). A
     /// replay answers with the first send's id (none for a key recorded
     /// before ids were given).
+    ///
+    /// With `interrupt`, a running turn is cancelled and this message starts
+    /// the next one, ahead of the queue (see [`Self::cancel_turn`]); with no
+    /// turn running it is queued as usual.
     pub async fn send_tracked(
         &self,
         session_id: &str,
         text: &str,
         idempotency_key: Option<&str>,
+        interrupt: bool,
     ) -> Result<Sent, SessionError> {
         if let Some(key) = idempotency_key {
             check_idempotency_key(key)?;
@@ -351,15 +356,18 @@ impl AgentSessionClient {
             return Ok(Sent {
                 outcome: SendOutcome::Blank,
                 message_id: None,
+                interrupted: None,
             });
         }
         let message_id = new_session_id("msg");
-        let message = serde_json::to_value(AgentUserMessage {
+        let user = AgentUserMessage {
             text: text.to_string(),
             requeued: 0,
             message_id: Some(message_id.clone()),
-        })
-        .map_err(|err| RpcError::Rejected(err.to_string()))?;
+        };
+        let message =
+            serde_json::to_value(&user).map_err(|err| RpcError::Rejected(err.to_string()))?;
+        let registry = self.client.registry().clone();
         let key = idempotency_key.map(|key| {
             (
                 key.to_string(),
@@ -386,6 +394,7 @@ impl AgentSessionClient {
                         return Ok(Ok(Sent {
                             outcome: SendOutcome::Replayed,
                             message_id: seen.message_id,
+                            interrupted: None,
                         }));
                     }
                 }
@@ -395,13 +404,24 @@ impl AgentSessionClient {
                         status: flow.status.as_str().to_string(),
                     }));
                 }
-                tx.publish(QUEUED_USER_MESSAGES, "", message.clone())?;
+                let running = if interrupt {
+                    super::cancel::active_turn(tx)?
+                } else {
+                    None
+                };
+                match &running {
+                    Some(turn) => {
+                        super::cancel::take_turn(tx, &registry, turn, Some(user.clone()))?
+                    }
+                    None => tx.publish(QUEUED_USER_MESSAGES, "", message.clone())?,
+                }
                 if let Some((key, text_sha256)) = &key {
                     remember_idempotency_key(tx, key, text_sha256, &message_id)?;
                 }
                 Ok(Ok(Sent {
                     outcome: SendOutcome::Queued,
                     message_id: Some(message_id.clone()),
+                    interrupted: running,
                 }))
             })
             .await?;

@@ -39,8 +39,10 @@ pub fn session_event(tag: &StepTag, event_type: &str, data: Json) -> Json {
 
 /// Event types only the host writes; a guest's `write-event` may not use them,
 /// so that no component can fake the session's own record of what happened.
-const RESERVED: [&str; 11] = [
+const RESERVED: [&str; 13] = [
     event_type::TURN_STARTED,
+    event_type::TURN_CANCEL_REQUESTED,
+    event_type::TURN_CANCELLED,
     event_type::TOOL_CALL_STARTED,
     event_type::TOOL_CALL_FINISHED,
     event_type::TURN_COMPLETED,

@@ -112,6 +112,7 @@ impl AgentSessionFlow {
             ))
             .step(self.def(step::RESUME_TURN, SessionSteps::resume_turn))
             .step(self.def(step::RECORD_TURN_FAILURE, SessionSteps::record_turn_failure))
+            .step(self.def(step::CANCEL_TURN, SessionSteps::cancel_turn))
     }
 
     fn def<F, Fut>(&self, name: &str, run: F) -> StepDef

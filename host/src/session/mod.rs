@@ -9,6 +9,7 @@
 //! Every Step commits its state, channel messages, events and next Steps in
 //! one transaction (the spec's SYNC durability; the engine has no other kind).
 
+mod cancel;
 mod client;
 mod components;
 mod events;
@@ -21,6 +22,7 @@ mod steps;
 mod versions;
 mod wait;
 
+pub use cancel::CancelOutcome;
 pub use client::{new_session_id, AgentSessionClient, SessionError};
 pub use components::{AgentComponents, AgentConfigError, VersionError};
 pub use events::BACKGROUND_HEARTBEAT;
@@ -31,6 +33,9 @@ pub use limits::TurnLimits;
 pub use options::AgentSessionOptions;
 pub use policy::{ToolPolicies, ToolPolicyOverride};
 pub use records::*;
-pub use steps::{check_tool_calls_requested, step, turn_failure_note};
+pub use steps::{
+    check_tool_calls_requested, step, turn_cancelled_note, turn_failure_note, CancelTurnInput,
+    TakenStep,
+};
 pub use versions::{ActivationWatch, CatalogVersions, ComponentLoader};
 pub use wait::{TurnWait, MAX_TURN_WAIT};

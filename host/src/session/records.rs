@@ -241,12 +241,18 @@ pub enum ToolCallStatus {
     Failed,
     Rejected,
     OutcomeUnknown,
+    /// The turn was cancelled before the call finished (a call that may run
+    /// again, or one that never started).
+    Cancelled,
 }
 
 impl ToolCallStatus {
     /// The wire name; the one rendering the events factor uses too.
     pub fn as_str(self) -> &'static str {
-        crate::plugin::factors::events::status_name(self.into())
+        match self {
+            ToolCallStatus::Cancelled => "cancelled",
+            other => crate::plugin::factors::events::status_name(other.into()),
+        }
     }
 
     pub fn is_final(self) -> bool {
@@ -263,6 +269,10 @@ impl From<ToolCallStatus> for wit::ToolCallStatus {
             ToolCallStatus::Failed => wit::ToolCallStatus::Failed,
             ToolCallStatus::Rejected => wit::ToolCallStatus::Rejected,
             ToolCallStatus::OutcomeUnknown => wit::ToolCallStatus::OutcomeUnknown,
+            // The WIT has no cancelled status. A cancelled record ends its
+            // turn (the records are cleared with it), so no runner is handed
+            // one; were it, it reads as a failure, whose error says why.
+            ToolCallStatus::Cancelled => wit::ToolCallStatus::Failed,
         }
     }
 }
@@ -454,6 +464,12 @@ pub mod event_type {
     pub const TURN_STARTED: &str = "turn_started";
     pub const TURN_COMPLETED: &str = "turn_completed";
     pub const TURN_FAILED: &str = "turn_failed";
+    /// A client asked to cancel the running turn (the turn goes on until
+    /// `turn_cancelled`).
+    pub const TURN_CANCEL_REQUESTED: &str = "turn_cancel_requested";
+    /// The turn was cancelled: its unfinished tool calls are recorded and a
+    /// note is in the history.
+    pub const TURN_CANCELLED: &str = "turn_cancelled";
     pub const TEXT_DELTA: &str = "text_delta";
     pub const REASONING_DELTA: &str = "reasoning_delta";
     pub const TOOL_CALL_STARTED: &str = "tool_call_started";
@@ -543,6 +559,9 @@ pub struct Sent {
     /// The id of the message queued (for a replay, of the one the first
     /// send queued, if it has one); none for blank text.
     pub message_id: Option<String>,
+    /// The turn a send with `interrupt` cancelled (its message starts the
+    /// next turn); none when none ran, or without `interrupt`.
+    pub interrupted: Option<String>,
 }
 
 /// What sending a user message did.

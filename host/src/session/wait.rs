@@ -52,6 +52,9 @@ pub enum TurnWait {
         turn_id: Option<String>,
         error: String,
     },
+    /// The turn was cancelled (see
+    /// [`AgentSessionClient::cancel_turn`]).
+    Cancelled { turn_id: String },
     /// The turn waits for a person to approve or reject these tool calls.
     WaitingForApproval {
         turn_id: String,
@@ -63,9 +66,12 @@ pub enum TurnWait {
 }
 
 impl TurnWait {
-    /// Whether the turn reached its end (completed or failed).
+    /// Whether the turn reached its end (completed, failed or cancelled).
     pub fn is_final(&self) -> bool {
-        matches!(self, TurnWait::Completed { .. } | TurnWait::Failed { .. })
+        matches!(
+            self,
+            TurnWait::Completed { .. } | TurnWait::Failed { .. } | TurnWait::Cancelled { .. }
+        )
     }
 }
 
@@ -137,6 +143,7 @@ fn follow(message_id: &str, followed: &mut Followed, event: &AgentEvent) -> Seen
             messages: Vec::new(),
             usage: followed.usage,
         }),
+        event_type::TURN_CANCELLED => Seen::Ended(TurnWait::Cancelled { turn_id: turn }),
         event_type::INTERRUPT_RAISED => Seen::Interrupt,
         _ => Seen::Nothing,
     }

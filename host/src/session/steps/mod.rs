@@ -26,10 +26,12 @@ use crate::flow::{
 use crate::plugin::wit::{self, DeferredToolExecution, ToolError, TurnContext, TurnOutcome};
 use crate::plugin::{CallEnv, RunnerComponent, StepTag, ToolComponent};
 
+mod cancel;
 mod model;
 mod tools;
 mod turn;
 
+pub use cancel::{turn_cancelled_note, CancelTurnInput, TakenStep};
 pub use model::check_tool_calls_requested;
 pub use turn::turn_failure_note;
 
@@ -45,6 +47,7 @@ pub mod step {
     pub const RECORD_TOOL_OUTCOME_UNKNOWN: &str = "RecordToolOutcomeUnknown";
     pub const RESUME_TURN: &str = "ResumeTurn";
     pub const RECORD_TURN_FAILURE: &str = "RecordTurnFailure";
+    pub const CANCEL_TURN: &str = "CancelTurn";
 }
 
 /// How a Step's failure begins when its guest call provably never ran (a

@@ -15,7 +15,16 @@ const MAX_REQUEUES: u32 = 3;
 /// counted instead of listed, so that the note always fits what
 /// `build-user-message` may return.
 pub fn turn_failure_note(records: &[AgentToolCall]) -> String {
-    let mut note = String::from("[Dex] The previous turn failed after these tool calls ran:\n");
+    tool_call_note(
+        "[Dex] The previous turn failed after these tool calls ran:\n",
+        records,
+    )
+}
+
+/// A note that starts with `header` and lists `records` as
+/// [`turn_failure_note`] does.
+pub(super) fn tool_call_note(header: &str, records: &[AgentToolCall]) -> String {
+    let mut note = String::from(header);
     let mut unlisted = 0;
     for record in records {
         let line = format!(
@@ -49,7 +58,7 @@ pub fn turn_failure_note(records: &[AgentToolCall]) -> String {
 impl SessionSteps {
     /// `build-user-message` of `runner`, in a fresh sandbox; its role must
     /// be `user`.
-    async fn user_message(
+    pub(super) async fn user_message(
         &self,
         ctx: &StepContext,
         tag: &StepTag,
@@ -91,7 +100,7 @@ impl SessionSteps {
     }
 
     /// Stores the user's message and starts the next turn.
-    async fn begin_turn(
+    pub(super) async fn begin_turn(
         &self,
         ctx: &StepContext,
         mut state: AgentState,

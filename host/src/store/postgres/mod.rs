@@ -231,6 +231,12 @@ impl FlowStore for PostgresStore {
         })
     }
 
+    async fn lease_held(&self, task_id: i64, lease_token: i64) -> Result<bool, StoreError> {
+        on_client!(self, |client, now| {
+            tasks::lease_held(&client, task_id, lease_token).await?
+        })
+    }
+
     async fn record_output(&self, task_id: i64, lease_token: i64) -> Result<(), StoreError> {
         on_client!(self, |client, now| {
             tasks::record_output(&client, now, task_id, lease_token).await?

@@ -14,7 +14,7 @@ use super::PostgresStore;
 use std::any::Any;
 
 use crate::flow::store::{RpcBody, RpcError, StateTx, StoreError};
-use crate::flow::types::{FlowInfo, Json, MapQuery, StoreMillis, Versioned};
+use crate::flow::types::{FlowInfo, Json, MapQuery, NewTask, StoreMillis, TakenTask, Versioned};
 
 /// One flow's state inside one transaction; for a read-only RPC, every
 /// write is refused.
@@ -24,6 +24,8 @@ pub(super) struct PgStateTx<'a, 't> {
     flow_id: String,
     now: StoreMillis,
     read_only: bool,
+    /// Whether the body appended to a stream of the flow.
+    appended: bool,
 }
 
 impl<'a, 't> PgStateTx<'a, 't> {
@@ -40,6 +42,7 @@ impl<'a, 't> PgStateTx<'a, 't> {
             flow_id,
             now,
             read_only,
+            appended: false,
         }
     }
 
@@ -137,6 +140,34 @@ impl StateTx for PgStateTx<'_, '_> {
     ) -> Result<Vec<(String, Versioned)>, StoreError> {
         self.run(super::state::read_map(self.tx, &self.flow_id, name, query))
     }
+
+    fn take_tasks(&mut self) -> Result<Vec<TakenTask>, StoreError> {
+        self.writable("take the tasks")?;
+        let taken = self.run(super::tasks::flow_tasks(self.tx, &self.flow_id))?;
+        self.run(super::tasks::drop_tasks(self.tx, &self.flow_id))?;
+        Ok(taken)
+    }
+
+    fn add_task(&mut self, task: NewTask) -> Result<(), StoreError> {
+        self.writable(&format!("add task {}", task.step_type))?;
+        self.run(super::tasks::insert_task(self.tx, &self.flow_id, &task))?;
+        Ok(())
+    }
+
+    fn append(&mut self, stream: &str, payload: Json) -> Result<i64, StoreError> {
+        self.writable(&format!("append to {stream}"))?;
+        let seqs = self.run(super::streams::append_stream(
+            self.tx,
+            self.now,
+            &self.flow_id,
+            stream,
+            &[payload],
+        ))?;
+        self.appended = true;
+        seqs.first().copied().ok_or_else(|| {
+            StoreError::Backend(format!("the append to {stream} returned no sequence"))
+        })
+    }
 }
 
 impl PostgresStore {
@@ -174,9 +205,11 @@ impl PostgresStore {
                     .map_err(TxError::into_error)?;
             }
             let now = store.clock_now();
-            let result = {
-                let mut state = PgStateTx::new(&tx, handle.clone(), flow_id, now, read_only);
-                body(&mut state)
+            let (result, appended) = {
+                let mut state =
+                    PgStateTx::new(&tx, handle.clone(), flow_id.clone(), now, read_only);
+                let result = body(&mut state);
+                (result, state.appended)
             };
             match result {
                 Ok(value) => {
@@ -185,7 +218,15 @@ impl PostgresStore {
                             .block_on(store.notify(&tx))
                             .map_err(TxError::into_error)?;
                     }
+                    if appended {
+                        handle
+                            .block_on(store.notify_stream(&tx, &flow_id))
+                            .map_err(TxError::into_error)?;
+                    }
                     handle.block_on(tx.commit()).map_err(db)?;
+                    if appended {
+                        store.inner.signals.streams.wake(&flow_id);
+                    }
                     Ok(value)
                 }
                 Err(err) => {

@@ -12,9 +12,9 @@
 use deadpool_postgres::GenericClient;
 use tokio_postgres::types::ToSql;
 
-use super::sql::{execute, query_opt, TxResult};
+use super::sql::{execute, query_opt, TxError, TxResult};
 use crate::flow::store::{AttemptFailure, FailureAction, StoreError};
-use crate::flow::types::{NewTask, StoreMillis};
+use crate::flow::types::{NewTask, StoreMillis, TakenTask};
 use crate::store::rows::{decode_task, TaskRow, TaskRowRaw, TASK_COLUMNS};
 
 /// Locks `flow_id`'s row for the rest of the transaction; its type, or
@@ -151,6 +151,52 @@ pub(super) async fn wake_waiters<C: GenericClient>(
 ) -> TxResult<()> {
     execute(tx, WAKE_WAITERS, &[&flow_id, &channel, &key]).await?;
     Ok(())
+}
+
+/// The flow's tasks as [`TakenTask`]s, oldest first.
+pub(super) async fn flow_tasks<C: GenericClient>(
+    tx: &C,
+    flow_id: &str,
+) -> TxResult<Vec<TakenTask>> {
+    let rows = super::sql::query(
+        tx,
+        "SELECT step_type, input, state, output_recorded, attempt, failure FROM tasks
+         WHERE flow_id = $1 ORDER BY task_id",
+        &[&flow_id],
+    )
+    .await?;
+    rows.iter()
+        .map(|row| {
+            let input: String = row.get(1);
+            let state: String = row.get(2);
+            let attempt: i64 = row.get(4);
+            Ok(TakenTask {
+                step_type: row.get(0),
+                input: serde_json::from_str(&input).map_err(|err| {
+                    TxError::from(StoreError::Corrupt(format!("task input: {err}")))
+                })?,
+                leased: state == "leased",
+                output_recorded: row.get(3),
+                attempt: u32::try_from(attempt).unwrap_or(u32::MAX),
+                failure: row.get(5),
+            })
+        })
+        .collect()
+}
+
+/// Whether the lease `(task_id, lease_token)` stands.
+pub(super) async fn lease_held<C: GenericClient>(
+    client: &C,
+    task_id: i64,
+    lease_token: i64,
+) -> TxResult<bool> {
+    Ok(super::sql::query_opt(
+        client,
+        "SELECT 1 FROM tasks WHERE task_id = $1 AND lease_token = $2 AND state = 'leased'",
+        &[&task_id, &lease_token],
+    )
+    .await?
+    .is_some())
 }
 
 /// Drops a flow's state locks ($1 the flow), before [`DROP_TASKS`].

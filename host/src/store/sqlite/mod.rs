@@ -351,6 +351,11 @@ impl FlowStore for SqliteStore {
             .await
     }
 
+    async fn lease_held(&self, task_id: i64, lease_token: i64) -> Result<bool, StoreError> {
+        self.read(move |conn, _| tasks::lease_held(conn, task_id, lease_token))
+            .await
+    }
+
     async fn record_output(&self, task_id: i64, lease_token: i64) -> Result<(), StoreError> {
         self.write_quietly(move |tx, now| tasks::record_output(tx, now, task_id, lease_token))
             .await
@@ -524,9 +529,14 @@ impl FlowStore for SqliteStore {
     }
 
     async fn rpc(&self, flow_id: &str, body: RpcBody) -> Result<Box<dyn Any + Send>, RpcError> {
-        let flow_id = flow_id.to_string();
-        self.write_job(true, move |conn, now| rpc::run(conn, flow_id, now, body))
-            .await
+        let flow = flow_id.to_string();
+        let (value, appended) = self
+            .write_job(true, move |conn, now| rpc::run(conn, flow, now, body))
+            .await?;
+        if appended {
+            self.inner.streams.wake(flow_id);
+        }
+        Ok(value)
     }
 
     /// On a read connection, off the runtime, in one deferred transaction:

@@ -7,19 +7,22 @@ use rusqlite::{params, Connection};
 
 use super::flows::flow_info;
 use super::sql::{backend, exists};
-use super::state;
+use super::{state, streams, tasks};
 use crate::flow::store::{RpcBody, RpcError, StateTx, StoreError};
-use crate::flow::types::{FlowInfo, Json, MapQuery, StoreMillis, Versioned};
+use crate::flow::types::{FlowInfo, Json, MapQuery, NewTask, StoreMillis, TakenTask, Versioned};
 
-/// Runs `body` on `flow_id` in the writer's transaction `conn`.
+/// Runs `body` on `flow_id` in the writer's transaction `conn`; says too
+/// whether it appended to the flow's streams (whose readers the caller wakes
+/// after the commit).
 pub(super) fn run(
     conn: &Connection,
     flow_id: String,
     now: StoreMillis,
     body: RpcBody,
-) -> Result<Box<dyn Any + Send>, RpcError> {
+) -> Result<(Box<dyn Any + Send>, bool), RpcError> {
     let mut state = SqliteStateTx::new(conn, flow_id, now);
-    body(&mut state)
+    let value = body(&mut state)?;
+    Ok((value, state.appended))
 }
 
 /// Runs `body` on `flow_id` on the read connection `conn`, in one deferred
@@ -53,6 +56,8 @@ pub(super) struct SqliteStateTx<'c> {
     flow_id: String,
     now: StoreMillis,
     read_only: bool,
+    /// Whether the body appended to a stream of the flow.
+    appended: bool,
 }
 
 impl<'c> SqliteStateTx<'c> {
@@ -62,6 +67,7 @@ impl<'c> SqliteStateTx<'c> {
             flow_id,
             now,
             read_only: false,
+            appended: false,
         }
     }
 
@@ -144,5 +150,30 @@ impl StateTx for SqliteStateTx<'_> {
         query: &MapQuery,
     ) -> Result<Vec<(String, Versioned)>, StoreError> {
         state::read_map(self.conn, &self.flow_id, name, query)
+    }
+
+    fn take_tasks(&mut self) -> Result<Vec<TakenTask>, StoreError> {
+        self.writable("take the tasks")?;
+        let taken = tasks::flow_tasks(self.conn, &self.flow_id)?;
+        tasks::drop_tasks(self.conn, &self.flow_id)?;
+        Ok(taken)
+    }
+
+    fn add_task(&mut self, task: NewTask) -> Result<(), StoreError> {
+        self.writable(&format!("add task {}", task.step_type))?;
+        let flow = flow_info(self.conn, &self.flow_id)?.ok_or_else(|| StoreError::NoSuchFlow {
+            flow_id: self.flow_id.clone(),
+        })?;
+        tasks::insert_task(self.conn, &self.flow_id, &flow.flow_type, &task)?;
+        Ok(())
+    }
+
+    fn append(&mut self, stream: &str, payload: Json) -> Result<i64, StoreError> {
+        self.writable(&format!("append to {stream}"))?;
+        let seqs = streams::append_stream(self.conn, self.now, &self.flow_id, stream, &[payload])?;
+        self.appended = true;
+        seqs.first().copied().ok_or_else(|| {
+            StoreError::Backend(format!("the append to {stream} returned no sequence"))
+        })
     }
 }

@@ -8,7 +8,7 @@ use super::history::insert_history;
 use super::sql::{backend, cached_execute, cached_query_row, exists, in_list};
 use super::state::{apply_write, channel_messages, wake_waiters};
 use crate::flow::store::{AttemptFailure, ExpiredLease, FailureAction, StepCommit, StoreError};
-use crate::flow::types::{ClaimedTask, NewTask, StoreMillis};
+use crate::flow::types::{ClaimedTask, NewTask, StoreMillis, TakenTask};
 use crate::store::rows::{decode_task, TaskRow, TaskRowRaw, TASK_COLUMNS};
 
 /// Inserts a task; a task whose channel condition already holds is ready.
@@ -54,6 +54,54 @@ pub(super) fn insert_task(
         wake_waiters(conn, flow_id, &channel.channel, &channel.key)?;
     }
     Ok(task_id)
+}
+
+/// The flow's tasks as [`TakenTask`]s, oldest first.
+pub(super) fn flow_tasks(conn: &Connection, flow_id: &str) -> Result<Vec<TakenTask>, StoreError> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT step_type, input, state, output_recorded, attempt, failure FROM tasks
+         WHERE flow_id = ?1 ORDER BY task_id",
+    )?;
+    let rows = stmt
+        .query_map(params![flow_id], |row| {
+            Ok((
+                row.get::<_, String>(0)?,
+                row.get::<_, String>(1)?,
+                row.get::<_, String>(2)?,
+                row.get::<_, bool>(3)?,
+                row.get::<_, u32>(4)?,
+                row.get::<_, Option<String>>(5)?,
+            ))
+        })?
+        .collect::<Result<Vec<_>, _>>()?;
+    rows.into_iter()
+        .map(
+            |(step_type, input, state, output_recorded, attempt, failure)| {
+                Ok(TakenTask {
+                    input: serde_json::from_str(&input)
+                        .map_err(|err| StoreError::Corrupt(format!("task input: {err}")))?,
+                    step_type,
+                    leased: state == "leased",
+                    output_recorded,
+                    attempt,
+                    failure,
+                })
+            },
+        )
+        .collect()
+}
+
+/// Whether the lease `(task_id, lease_token)` stands.
+pub(super) fn lease_held(
+    conn: &Connection,
+    task_id: i64,
+    lease_token: i64,
+) -> Result<bool, StoreError> {
+    exists(
+        conn,
+        "SELECT 1 FROM tasks WHERE task_id = ?1 AND lease_token = ?2 AND state = 'leased'",
+        params![task_id, lease_token],
+    )
 }
 
 pub(super) fn drop_tasks(conn: &Connection, flow_id: &str) -> Result<(), StoreError> {
