@@ -166,6 +166,50 @@ async fn chat_streams_asks_for_approval_and_reattaches_after_a_restart() {
     assert!(shown.contains("assistant Hello again."), "{shown}");
 }
 
+impl Terminal {
+    /// Ctrl-C: SIGINT to the process, as a terminal sends it.
+    fn interrupt(&self) {
+        let pid = self.child.id().expect("dexa chat runs") as i32;
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe {
+            libc::kill(pid, libc::SIGINT);
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ctrl_c_in_chat_cancels_the_running_turn_and_at_the_prompt_leaves() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = helpdesk_config(
+        dir.path(),
+        &json!({"turns": [
+            {"steps": [{"text": "too late", "sleep_ms": 30000}]},
+            {"steps": [{"text": "Back again."}]}
+        ]}),
+    );
+    let progress = dir.path().join("chat-stderr.txt");
+    let mut terminal = Terminal::start(&config, std::fs::File::create(&progress).unwrap());
+    terminal.expect("you> ").await;
+    terminal.type_line("think for a long time").await;
+    // The turn runs (its model call sleeps 30 s; chat follows it); Ctrl-C
+    // cancels it.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    terminal.interrupt();
+    terminal.expect("[cancelling the turn]").await;
+    terminal.expect("[the turn was cancelled]").await;
+    terminal.expect("you> ").await;
+    terminal.type_line("hello").await;
+    terminal.expect("agent> Back again.").await;
+    terminal.expect("you> ").await;
+    // At the prompt, Ctrl-C leaves, as it would without the handler.
+    terminal.interrupt();
+    let status = tokio::time::timeout(Duration::from_secs(30), terminal.child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success(), "dexa chat exited with {status}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dexa_session_drives_a_session_for_scripts() {
     let dir = tempfile::tempdir().unwrap();

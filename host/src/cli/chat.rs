@@ -48,6 +48,9 @@ struct Chat {
     lines: Lines<BufReader<Stdin>>,
     /// The last event shown.
     cursor: i64,
+    /// Ctrl-C, from the start: one pressed while an RPC runs is seen at
+    /// the next wait rather than lost.
+    interrupts: tokio::signal::unix::Signal,
 }
 
 fn out(text: &str) {
@@ -125,6 +128,8 @@ pub async fn run(args: ChatArgs) -> anyhow::Result<()> {
         session_id,
         lines: BufReader::new(tokio::io::stdin()).lines(),
         cursor: 0,
+        interrupts: tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
+            .context("cannot listen for Ctrl-C")?,
     };
     if fresh {
         chat.sessions.start_session(&chat.session_id, "").await?;
@@ -138,6 +143,12 @@ pub async fn run(args: ChatArgs) -> anyhow::Result<()> {
     let result = chat.talk().await;
     if let Some(worker) = worker {
         worker.abort();
+    }
+    if result.is_ok() {
+        // A read of stdin may still wait on a blocking thread (after Ctrl-C
+        // at the prompt), which the runtime would wait for at shutdown.
+        let _ = std::io::stdout().flush();
+        std::process::exit(0);
     }
     result
 }
@@ -188,7 +199,7 @@ impl Chat {
             // prompt it leaves, as it would without the handler.
             let line = tokio::select! {
                 line = self.lines.next_line() => line?,
-                _ = tokio::signal::ctrl_c() => None,
+                _ = self.interrupts.recv() => None,
             };
             let Some(line) = line else {
                 println!();
@@ -247,7 +258,7 @@ impl Chat {
                 }
                 tokio::select! {
                     _ = tokio::time::sleep(POLL) => {}
-                    _ = tokio::signal::ctrl_c() => {
+                    _ = self.interrupts.recv() => {
                         if in_text {
                             println!();
                             in_text = false;
