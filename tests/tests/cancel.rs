@@ -381,6 +381,63 @@ async fn a_steering_message_starts_the_next_turn_and_no_message_is_lost() {
     assert_eq!(stack.invocations().count("model"), 1, "nothing ran twice");
 }
 
+/// With no worker to run the pending CancelTurn: a second cancel writes
+/// nothing, steers gather on it up to the cap (the next is refused, typed,
+/// and queues nothing), and once a worker comes every one of them is used:
+/// the first starts the next turn, the rest follow in order.
+async fn steers_gather_on_a_pending_cancel_up_to_a_cap_and_none_is_lost() {
+    let mut stack = stack(
+        json!([
+            {"steps": [{"gate": "model", "text": "too late"}]},
+            {"steps": [{"text": "answer"}]}
+        ]),
+        &[],
+    );
+    let first = stack.start_worker();
+    let sessions = stack.sessions(AGENT);
+    sessions.start_session("s1", "go").await.unwrap();
+    stack.gate("model").wait_until_reached().await;
+    stack.kill_worker(first);
+    let cancelled = CancelOutcome::Cancelled {
+        turn_id: "turn-1".into(),
+    };
+    assert_eq!(sessions.cancel_turn("s1").await.unwrap(), cancelled);
+    assert_eq!(sessions.cancel_turn("s1").await.unwrap(), cancelled);
+    assert_eq!(
+        events_of(&sessions, event_type::TURN_CANCEL_REQUESTED)
+            .await
+            .len(),
+        1,
+        "a cancel under way is not asked for again"
+    );
+    let cap = dexa::session::MAX_PENDING_STEERS;
+    for n in 0..cap {
+        let sent = sessions
+            .send_tracked("s1", &format!("steer {n}"), None, true)
+            .await
+            .unwrap();
+        assert_eq!(sent.interrupted.as_deref(), Some("turn-1"));
+    }
+    let refused = sessions
+        .send_tracked("s1", "one too many", None, true)
+        .await;
+    assert!(
+        matches!(
+            refused,
+            Err(dexa::session::SessionError::SteersPending { .. })
+        ),
+        "{refused:?}"
+    );
+    stack.start_worker();
+    let snapshot = wait_for_turns(&sessions, "s1", 1 + cap as u64).await;
+    let users = texts_of(&snapshot, MessageRole::User);
+    let expected: Vec<String> = (0..cap).map(|n| format!("steer {n}")).collect();
+    assert_eq!(users[0], "go");
+    assert!(users[1].starts_with("[Dex] The user cancelled the previous turn"));
+    assert_eq!(&users[2..], expected.as_slice(), "every steer, in order");
+    assert_eq!(snapshot.queued_message_count, 0);
+}
+
 macro_rules! backends {
     ($($test:ident),* $(,)?) => {
         mod sqlite {
@@ -409,4 +466,5 @@ backends!(
     a_cancel_during_an_approval_wait_runs_nothing_and_clears_the_approval,
     a_cancel_with_a_single_attempt_write_in_flight_records_its_outcome_unknown,
     a_steering_message_starts_the_next_turn_and_no_message_is_lost,
+    steers_gather_on_a_pending_cancel_up_to_a_cap_and_none_is_lost,
 );

@@ -136,6 +136,9 @@ impl From<SessionError> for ApiError {
                 "idempotency_key_reused",
                 err.to_string(),
             ),
+            SessionError::SteersPending { .. } => {
+                Self::new(StatusCode::CONFLICT, "busy", err.to_string())
+            }
             SessionError::Flow(err) => err.into(),
             SessionError::Rpc(err) => err.into(),
         }

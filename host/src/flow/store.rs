@@ -183,7 +183,8 @@ pub trait StateTx {
         query: &MapQuery,
     ) -> Result<Vec<(String, Versioned)>, StoreError>;
     /// Drops every task of the flow (waiting, due or running) with their
-    /// locks, and says what each was, oldest first. A running Step loses its
+    /// locks, and says what each was, oldest first, as of the drop (a
+    /// running Step's "started" marker committed meanwhile is seen). A running Step loses its
     /// lease: its commit and its heartbeats are refused, and its worker,
     /// woken by an append to the flow's streams in the same transaction,
     /// stops it (see [`FlowStore::lease_held`]).
@@ -191,7 +192,9 @@ pub trait StateTx {
     /// Adds a task to the flow.
     fn add_task(&mut self, task: NewTask) -> Result<(), StoreError>;
     /// Appends `payload` to the flow's `stream`; its readers are woken at
-    /// commit.
+    /// commit. Before [`Self::take_tasks`] in one transaction: a running
+    /// Step's own append locks the stream before its task, and the same
+    /// order keeps the two from deadlocking.
     fn append(&mut self, stream: &str, payload: Json) -> Result<i64, StoreError>;
 }
 

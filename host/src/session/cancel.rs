@@ -14,7 +14,7 @@ use serde_json::json;
 use super::client::{AgentSessionClient, SessionError};
 use super::records::*;
 use super::steps::{step, CancelTurnInput, TakenStep};
-use crate::flow::{FlowStatus, Registry, RpcError, StateTx, StepCall, StoreError};
+use crate::flow::{FlowStatus, MapQuery, Registry, RpcError, StateTx, StepCall, StoreError};
 
 /// What a cancel did.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -39,24 +39,91 @@ pub(super) fn active_turn(tx: &mut dyn StateTx) -> Result<Option<String>, RpcErr
     Ok(state.active_turn_id)
 }
 
+/// Why [`take_turn`] refused.
+pub(super) enum TakeRefused {
+    SteersPending { turn_id: String },
+}
+
+impl TakeRefused {
+    pub(super) fn for_session(self, session_id: &str) -> SessionError {
+        match self {
+            TakeRefused::SteersPending { turn_id } => SessionError::SteersPending {
+                session_id: session_id.to_string(),
+                turn_id,
+            },
+        }
+    }
+}
+
+/// The [`CANCEL_REQUESTED`] marker: the turn, and how many steering
+/// messages wait for its CancelTurn.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct CancelRequested {
+    turn_id: String,
+    steers: usize,
+}
+
+/// The steering messages waiting for `turn_id`'s cancel, when one is under
+/// way (its CancelTurn has not committed).
+fn cancel_pending(tx: &mut dyn StateTx, turn_id: &str) -> Result<Option<usize>, RpcError> {
+    let Some(marker) = tx.get(CANCEL_REQUESTED, "")? else {
+        return Ok(None);
+    };
+    let marker: CancelRequested =
+        serde_json::from_value(marker.value).map_err(|err| corrupt("the cancel marker", err))?;
+    Ok((marker.turn_id == turn_id).then_some(marker.steers))
+}
+
 /// Takes `turn_id`'s Steps and leaves CancelTurn in their place, with
 /// `steer` (if any) to start the next turn.
+///
+/// A cancel already under way is left alone by a plain cancel (nothing is
+/// written). A steer joins it, but only while its CancelTurn waits: one
+/// that runs holds [`CANCEL_REQUESTED`], and the RPC's lock conflict makes
+/// the steer try again after it committed (then it cancels the turn that
+/// CancelTurn started). At most [`MAX_PENDING_STEERS`] steers join.
 pub(super) fn take_turn(
     tx: &mut dyn StateTx,
     registry: &Registry,
     turn_id: &str,
     steer: Option<AgentUserMessage>,
-) -> Result<(), RpcError> {
+) -> Result<Result<(), TakeRefused>, RpcError> {
+    let pending = cancel_pending(tx, turn_id)?;
+    let steers = match (pending, &steer) {
+        (Some(_), None) => return Ok(Ok(())),
+        // Refused before anything is written.
+        (Some(waiting), Some(_)) if waiting >= MAX_PENDING_STEERS => {
+            return Ok(Err(TakeRefused::SteersPending {
+                turn_id: turn_id.to_string(),
+            }))
+        }
+        (waiting, _) => waiting.unwrap_or(0) + usize::from(steer.is_some()),
+    };
+    tx.lock(CANCEL_REQUESTED)?;
     let flow = tx
         .flow()?
         .ok_or_else(|| RpcError::Rejected("the session is gone".to_string()))?;
+    // The event first: a running Step's "started" marker locks the stream
+    // before its task, and so does this transaction.
+    let event = AgentEvent {
+        event_type: event_type::TURN_CANCEL_REQUESTED.to_string(),
+        turn_id: turn_id.to_string(),
+        step_execution_id: String::new(),
+        attempt: 0,
+        origin: None,
+        data: json!({ "steered": steer.is_some() }),
+    };
+    tx.append(
+        AGENT_EVENTS,
+        serde_json::to_value(event).map_err(|err| corrupt("an event", err))?,
+    )?;
     let mut input = CancelTurnInput {
         turn_id: turn_id.to_string(),
         taken: Vec::new(),
         steer: Vec::new(),
     };
     for task in tx.take_tasks()? {
-        // A cancel still pending: this one joins it.
+        // The cancel under way: this steer joins it.
         if task.step_type == step::CANCEL_TURN {
             let pending: CancelTurnInput = serde_json::from_value(task.input)
                 .map_err(|err| corrupt("a pending CancelTurn's input", err))?;
@@ -67,7 +134,11 @@ pub(super) fn take_turn(
         }
     }
     input.steer.extend(steer);
-    let steered = !input.steer.is_empty();
+    // The turn's approvals end with it now: one answered before CancelTurn
+    // commits would otherwise report a resolution that nothing reads.
+    for (key, _) in tx.read_map(PENDING_INTERRUPTS, &MapQuery::default())? {
+        tx.delete(PENDING_INTERRUPTS, &key)?;
+    }
     let call = StepCall::new(
         step::CANCEL_TURN,
         serde_json::to_value(&input).map_err(|err| corrupt("CancelTurn's input", err))?,
@@ -76,19 +147,16 @@ pub(super) fn take_turn(
         .new_task(&flow.flow_type, call, tx.now(), None)
         .map_err(|err| RpcError::Rejected(err.to_string()))?;
     tx.add_task(task)?;
-    let event = AgentEvent {
-        event_type: event_type::TURN_CANCEL_REQUESTED.to_string(),
+    let marker = CancelRequested {
         turn_id: turn_id.to_string(),
-        step_execution_id: String::new(),
-        attempt: 0,
-        origin: None,
-        data: json!({ "steered": steered }),
+        steers,
     };
-    tx.append(
-        AGENT_EVENTS,
-        serde_json::to_value(event).map_err(|err| corrupt("an event", err))?,
+    tx.set(
+        CANCEL_REQUESTED,
+        "",
+        serde_json::to_value(marker).map_err(|err| corrupt("the cancel marker", err))?,
     )?;
-    Ok(())
+    Ok(Ok(()))
 }
 
 impl AgentSessionClient {
@@ -98,6 +166,10 @@ impl AgentSessionClient {
     /// goes into the history and `turn_cancelled` ends it. Queued messages
     /// stay queued. [`CancelOutcome::NoTurn`] when no turn runs.
     pub async fn cancel_turn(&self, session_id: &str) -> Result<CancelOutcome, SessionError> {
+        // Most repeated cancels (a user pressing again) need no write.
+        if let Some(settled) = self.cancel_settled(session_id).await? {
+            return Ok(settled);
+        }
         let registry = self.flow_client().registry().clone();
         let id = session_id.to_string();
         self.flow_client()
@@ -114,8 +186,39 @@ impl AgentSessionClient {
                 let Some(turn_id) = active_turn(tx)? else {
                     return Ok(Ok(CancelOutcome::NoTurn));
                 };
-                take_turn(tx, &registry, &turn_id, None)?;
+                if let Err(err) = take_turn(tx, &registry, &turn_id, None)? {
+                    return Ok(Err(err.for_session(&id)));
+                }
                 Ok(Ok(CancelOutcome::Cancelled { turn_id }))
+            })
+            .await?
+    }
+
+    /// What a cancel would do, from a read-only snapshot: `Some` when it
+    /// needs no write (no turn runs, or its cancel is under way).
+    async fn cancel_settled(
+        &self,
+        session_id: &str,
+    ) -> Result<Option<CancelOutcome>, SessionError> {
+        let id = session_id.to_string();
+        self.flow_client()
+            .read_rpc(session_id, move |tx| {
+                let Some(flow) = tx.flow()? else {
+                    return Ok(Err(SessionError::NoSuchSession(id.clone())));
+                };
+                if flow.status != FlowStatus::Running {
+                    return Ok(Err(SessionError::NotRunning {
+                        session_id: id.clone(),
+                        status: flow.status.as_str().to_string(),
+                    }));
+                }
+                Ok(Ok(match active_turn(tx)? {
+                    None => Some(CancelOutcome::NoTurn),
+                    Some(turn_id) if cancel_pending(tx, &turn_id)?.is_some() => {
+                        Some(CancelOutcome::Cancelled { turn_id })
+                    }
+                    Some(_) => None,
+                }))
             })
             .await?
     }

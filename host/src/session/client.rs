@@ -32,6 +32,13 @@ pub enum SessionError {
          nothing was queued"
     )]
     IdempotencyKeyReused { session_id: String, key: String },
+    /// Too many steering messages wait for one cancel to finish; nothing
+    /// was queued.
+    #[error(
+        "{MAX_PENDING_STEERS} steering messages already wait for the cancel of {turn_id} on \
+         session {session_id:?}; nothing was queued, try again when it has ended"
+    )]
+    SteersPending { session_id: String, turn_id: String },
     #[error(transparent)]
     Flow(#[from] FlowError),
     #[error(transparent)]
@@ -411,7 +418,11 @@ impl AgentSessionClient {
                 };
                 match &running {
                     Some(turn) => {
-                        super::cancel::take_turn(tx, &registry, turn, Some(user.clone()))?
+                        if let Err(err) =
+                            super::cancel::take_turn(tx, &registry, turn, Some(user.clone()))?
+                        {
+                            return Ok(Err(err.for_session(&id)));
+                        }
                     }
                     None => tx.publish(QUEUED_USER_MESSAGES, "", message.clone())?,
                 }

@@ -188,6 +188,11 @@ impl AgentSessionClient {
             if let Some(notified) = notified.as_mut().as_pin_mut() {
                 notified.enable();
             }
+            if Instant::now() >= deadline {
+                return Ok(TurnWait::Running {
+                    turn_id: followed.turn_id,
+                });
+            }
             let (page, next) = self.read_events(session_id, after, WAIT_PAGE).await?;
             let read_all = page.is_empty();
             for (seq, event) in &page {

@@ -22,9 +22,16 @@ pub struct TakenStep {
     pub input: Json,
     /// The attempt recorded output: a single-attempt tool call had started.
     pub output_recorded: bool,
+    /// Its attempt (an attempt after the first means an earlier one ran).
+    #[serde(default = "first_attempt")]
+    pub attempt: u32,
     /// For a failure route: why the Step failed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure: Option<String>,
+}
+
+fn first_attempt() -> u32 {
+    1
 }
 
 impl From<TakenTask> for TakenStep {
@@ -33,6 +40,7 @@ impl From<TakenTask> for TakenStep {
             step_type: task.step_type,
             input: task.input,
             output_recorded: task.output_recorded,
+            attempt: task.attempt,
             failure: task.failure,
         }
     }
@@ -51,14 +59,16 @@ pub struct CancelTurnInput {
 }
 
 impl CancelTurnInput {
-    /// The tool calls whose single attempt had started: their outcome is
-    /// unknown.
+    /// The tool calls that had started (any attempt): a single-attempt one
+    /// is then of unknown outcome, one that may run again is still
+    /// `cancelled`, but its record says it may have run.
     fn started(&self) -> HashSet<String> {
         self.taken
             .iter()
             .filter(|step| match step.step_type.as_str() {
                 step::CALL_SINGLE_ATTEMPT_TOOL => step.output_recorded,
-                step::RECORD_TOOL_OUTCOME_UNKNOWN => !step
+                step::CALL_TOOL => step.output_recorded || step.attempt > 1,
+                step::RECORD_TOOL_OUTCOME_UNKNOWN | step::RECORD_TOOL_FAILURE => !step
                     .failure
                     .as_deref()
                     .is_some_and(|why| why.starts_with(NOT_STARTED)),
@@ -90,7 +100,8 @@ impl SessionSteps {
             // The turn ended before the cancel took its Steps (it cannot,
             // the cancel checks in the same transaction; but no message may
             // be lost if it did): steering messages wait in the queue.
-            let mut result = StepResult::go_to(await_user_message_call());
+            let mut result =
+                StepResult::go_to(await_user_message_call()).delete(CANCEL_REQUESTED, "");
             for message in steer {
                 result = result.publish(QUEUED_USER_MESSAGES, "", to_json(&message));
             }
@@ -112,7 +123,13 @@ impl SessionSteps {
                 unknown += 1;
             } else {
                 record.status = ToolCallStatus::Cancelled;
-                record.error = Some("the turn was cancelled before this call finished".to_string());
+                record.error = Some(if started.contains(&record.tool_call_id) {
+                    "the turn was cancelled while this call ran; it may have run (it is safe \
+                     to repeat)"
+                        .to_string()
+                } else {
+                    "the turn was cancelled before this call finished".to_string()
+                });
                 cancelled += 1;
             }
             result = result.append(
@@ -161,6 +178,7 @@ impl SessionSteps {
             .clear(AGENT_TOOL_CALLS)
             .delete(FRAMEWORK_RUN_STATE, "")
             .clear(PENDING_INTERRUPTS)
+            .delete(CANCEL_REQUESTED, "")
             .append(
                 AGENT_EVENTS,
                 session_event(
@@ -196,6 +214,7 @@ mod tests {
             step_type: step_type.to_string(),
             input: json!(id),
             output_recorded,
+            attempt: 1,
             failure: failure.map(str::to_string),
         }
     }
@@ -208,6 +227,7 @@ mod tests {
                 taken(step::CALL_SINGLE_ATTEMPT_TOOL, "ran", true, None),
                 taken(step::CALL_SINGLE_ATTEMPT_TOOL, "claimed", false, None),
                 taken(step::CALL_TOOL, "retried", true, None),
+                taken(step::CALL_TOOL, "waiting", false, None),
                 taken(
                     step::RECORD_TOOL_OUTCOME_UNKNOWN,
                     "failed-after-start",
@@ -226,7 +246,7 @@ mod tests {
         let started = input.started();
         let mut started: Vec<&str> = started.iter().map(String::as_str).collect();
         started.sort();
-        assert_eq!(started, vec!["failed-after-start", "ran"]);
+        assert_eq!(started, vec!["failed-after-start", "ran", "retried"]);
     }
 
     #[test]

@@ -143,9 +143,7 @@ impl StateTx for PgStateTx<'_, '_> {
 
     fn take_tasks(&mut self) -> Result<Vec<TakenTask>, StoreError> {
         self.writable("take the tasks")?;
-        let taken = self.run(super::tasks::flow_tasks(self.tx, &self.flow_id))?;
-        self.run(super::tasks::drop_tasks(self.tx, &self.flow_id))?;
-        Ok(taken)
+        self.run(super::tasks::take_tasks(self.tx, &self.flow_id))
     }
 
     fn add_task(&mut self, task: NewTask) -> Result<(), StoreError> {

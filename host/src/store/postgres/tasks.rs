@@ -153,35 +153,46 @@ pub(super) async fn wake_waiters<C: GenericClient>(
     Ok(())
 }
 
-/// The flow's tasks as [`TakenTask`]s, oldest first.
-pub(super) async fn flow_tasks<C: GenericClient>(
+/// Drops the flow's tasks and their locks, returning them as
+/// [`TakenTask`]s, oldest first. One `DELETE ... RETURNING`: a heartbeat or
+/// "started" marker that commits meanwhile is waited for and its value
+/// returned, where a read before the delete could miss it.
+pub(super) async fn take_tasks<C: GenericClient>(
     tx: &C,
     flow_id: &str,
 ) -> TxResult<Vec<TakenTask>> {
+    execute(tx, DROP_LOCKS, &[&flow_id]).await?;
     let rows = super::sql::query(
         tx,
-        "SELECT step_type, input, state, output_recorded, attempt, failure FROM tasks
-         WHERE flow_id = $1 ORDER BY task_id",
+        "DELETE FROM tasks WHERE flow_id = $1
+         RETURNING task_id, step_type, input, state, output_recorded, attempt, failure",
         &[&flow_id],
     )
     .await?;
-    rows.iter()
+    let mut taken = rows
+        .iter()
         .map(|row| {
-            let input: String = row.get(1);
-            let state: String = row.get(2);
-            let attempt: i64 = row.get(4);
-            Ok(TakenTask {
-                step_type: row.get(0),
-                input: serde_json::from_str(&input).map_err(|err| {
-                    TxError::from(StoreError::Corrupt(format!("task input: {err}")))
-                })?,
-                leased: state == "leased",
-                output_recorded: row.get(3),
-                attempt: u32::try_from(attempt).unwrap_or(u32::MAX),
-                failure: row.get(5),
-            })
+            let task_id: i64 = row.get(0);
+            let input: String = row.get(2);
+            let state: String = row.get(3);
+            let attempt: i64 = row.get(5);
+            Ok((
+                task_id,
+                TakenTask {
+                    step_type: row.get(1),
+                    input: serde_json::from_str(&input).map_err(|err| {
+                        TxError::from(StoreError::Corrupt(format!("task input: {err}")))
+                    })?,
+                    leased: state == "leased",
+                    output_recorded: row.get(4),
+                    attempt: u32::try_from(attempt).unwrap_or(u32::MAX),
+                    failure: row.get(6),
+                },
+            ))
         })
-        .collect()
+        .collect::<TxResult<Vec<_>>>()?;
+    taken.sort_by_key(|(task_id, _)| *task_id);
+    Ok(taken.into_iter().map(|(_, task)| task).collect())
 }
 
 /// Whether the lease `(task_id, lease_token)` stands.
