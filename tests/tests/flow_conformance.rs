@@ -1278,8 +1278,10 @@ async fn a_large_commit_applies_whole_or_not_at_all(factory: &dyn StoreFactory) 
 
 /// A cancel's transaction takes every task of a flow and leaves one in their
 /// place: the running Step's lease is gone (its commit and its output are
-/// refused, and `lease_held` says so), the flow's stream readers are woken
-/// by the append in the same transaction, and the new task runs.
+/// refused, and `lease_held` says so), the flow's revocation signal wakes in
+/// this process and in another (a second handle on the store, with its own
+/// listener or watch), its stream readers are woken by the append in the
+/// same transaction, and the new task runs.
 async fn taking_a_flows_tasks_fences_the_running_step_and_wakes_its_readers(
     factory: &dyn StoreFactory,
 ) {
@@ -1310,6 +1312,28 @@ async fn taking_a_flows_tasks_fences_the_running_step_and_wakes_its_readers(
     let woken = signal.notified();
     tokio::pin!(woken);
     woken.as_mut().enable();
+    let here = stack
+        .store
+        .revocation_signal("taken")
+        .expect("both backends signal takes");
+    let revoked_here = here.notified();
+    tokio::pin!(revoked_here);
+    revoked_here.as_mut().enable();
+    let other = factory.open(stack._dir.path());
+    let there = other
+        .revocation_signal("taken")
+        .expect("both backends signal takes");
+    // A watch wakes a flow it has not seen before on the first commit it
+    // sees (SQLite's): let that pass, so that only the take can wake it.
+    let first_sight = there.notified();
+    other
+        .append_stream("unrelated", "events", vec![json!({})])
+        .await
+        .expect("append");
+    let _ = tokio::time::timeout(Duration::from_millis(500), first_sight).await;
+    let revoked_there = there.notified();
+    tokio::pin!(revoked_there);
+    revoked_there.as_mut().enable();
     let registry = stack.client.registry().clone();
     let now = stack.store.now().await.expect("now");
     let replacement = registry
@@ -1337,6 +1361,12 @@ async fn taking_a_flows_tasks_fences_the_running_step_and_wakes_its_readers(
     tokio::time::timeout(PATIENCE, woken)
         .await
         .expect("the append in the same transaction woke the flow's readers");
+    tokio::time::timeout(PATIENCE, revoked_here)
+        .await
+        .expect("the take woke this process's Steps of the flow");
+    tokio::time::timeout(PATIENCE, revoked_there)
+        .await
+        .expect("the take woke another process's Steps of the flow");
     assert!(!stack
         .store
         .lease_held(running.task_id, running.lease_token)

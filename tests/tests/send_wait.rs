@@ -224,7 +224,7 @@ async fn a_bad_wait_is_a_typed_400_and_queues_nothing() {
         assert_eq!(status, StatusCode::BAD_REQUEST, "{query}: {answer}");
         assert_eq!(answer["error"]["code"], "bad_request", "{query}: {answer}");
     }
-    let snapshot = served.snapshot("s1").await;
+    let snapshot = served.idle_after("s1", 0).await;
     assert_eq!(snapshot["queued_message_count"], 0, "{snapshot}");
     assert_eq!(snapshot["state"]["turn_count"], 0, "{snapshot}");
 }

@@ -17,7 +17,6 @@ pub mod worker;
 pub use client::{FlowClient, FlowError, RPC_LOCK_RETRY};
 pub use context::{Heartbeat, StepContext};
 pub use registry::{FlowType, Registry, RegistryError, StepDef, StepError, StepHandler};
-pub use revoke::MIN_LOOK_GAP;
 pub use store::{ClaimNext, FlowStore, RpcError, StateAnswer, StateQuery, StateTx, StoreError};
 pub use types::*;
 pub use worker::{Worker, WorkerOptions};

@@ -184,10 +184,10 @@ pub trait StateTx {
     ) -> Result<Vec<(String, Versioned)>, StoreError>;
     /// Drops every task of the flow (waiting, due or running) with their
     /// locks, and says what each was, oldest first, as of the drop (a
-    /// running Step's "started" marker committed meanwhile is seen). A running Step loses its
-    /// lease: its commit and its heartbeats are refused, and its worker,
-    /// woken by an append to the flow's streams in the same transaction,
-    /// stops it (see [`FlowStore::lease_held`]).
+    /// running Step's "started" marker committed meanwhile is seen). A
+    /// running Step loses its lease: its commit and its heartbeats are
+    /// refused, and its worker, woken by the flow's revocation signal at
+    /// commit, stops it (see [`FlowStore::revocation_signal`]).
     fn take_tasks(&mut self) -> Result<Vec<TakenTask>, StoreError>;
     /// Adds a task to the flow.
     fn add_task(&mut self, task: NewTask) -> Result<(), StoreError>;
@@ -252,6 +252,13 @@ pub trait FlowStore: Send + Sync + 'static {
         held: &[(i64, i64)],
         lease_ms: i64,
     ) -> Result<Vec<(i64, i64)>, StoreError>;
+    /// Woken when `flow_id`'s tasks are taken ([`StateTx::take_tasks`], or a
+    /// stop), in this process at once and in others through the backend's
+    /// own signal; `None` when the store cannot say (the lease renewal is
+    /// then how a worker learns it lost a Step).
+    fn revocation_signal(&self, _flow_id: &str) -> Option<Arc<Notify>> {
+        None
+    }
     /// Whether the lease `(task_id, lease_token)` still stands: false once
     /// the task was taken from its flow (a cancel), finished, or leased
     /// again. A read: a worker asks it when its flow's streams move while it

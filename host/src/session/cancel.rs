@@ -3,8 +3,8 @@
 //!
 //! One transaction takes every task of the session (a running Step's commit
 //! and heartbeats are refused from then on, and its worker, woken by the
-//! `turn_cancel_requested` event appended in the same transaction, stops
-//! it within [`crate::flow::MIN_LOOK_GAP`] plus a look at its lease) and
+//! store's revocation signal at the commit, stops it after one look at its
+//! lease), appends `turn_cancel_requested` for the session's clients and
 //! leaves one CancelTurn Step with what each was (see
 //! `steps/cancel.rs`). A cancel while another is still pending merges
 //! into it, so that no steering message is lost.

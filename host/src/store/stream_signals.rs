@@ -1,8 +1,10 @@
-//! The readers of each flow's streams, and waking them: one signal per flow
-//! that some reader waits on, shared by its readers and gone with the last
-//! of them. Both backends keep one per process; what wakes it differs (a
-//! commit of this process at once; another process's through PostgreSQL's
-//! `NOTIFY` or SQLite's `data_version`).
+//! Per-flow signals, and waking them: one signal per flow that someone waits
+//! on, shared by its waiters and gone with the last of them. Both backends
+//! keep two sets per process: the readers of each flow's streams, and the
+//! Steps running for each flow, woken when its tasks are taken (a cancel, a
+//! stop). What wakes them differs (a commit of this process at once;
+//! another process's through PostgreSQL's `NOTIFY` or SQLite's
+//! `data_version`).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};

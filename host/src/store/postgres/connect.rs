@@ -37,10 +37,7 @@ impl PostgresStore {
             }
         }
         let schema = url.schema.as_deref().unwrap_or("public");
-        let signals = Arc::new(Signals::new(
-            format!("dexa_work_{schema}"),
-            format!("dexa_events_{schema}"),
-        ));
+        let signals = Arc::new(Signals::for_schema(schema));
         let (clock, listener) = listen::start(url.clone(), signals.clone()).await?;
         Ok(Self {
             inner: Arc::new(Inner {

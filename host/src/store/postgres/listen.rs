@@ -84,32 +84,43 @@ pub struct Signals {
     pub work_channel: String,
     /// Stream appends; the payload is the flow id.
     pub events_channel: String,
+    /// Takes of a flow's tasks (a cancel, a stop); the payload is the flow
+    /// id.
+    pub revoke_channel: String,
     pub work: Arc<Notify>,
     /// One per flow some reader waits on; gone with its last reader.
     pub streams: StreamSignals,
+    /// One per flow this process runs Steps of; gone with the last.
+    pub revocations: StreamSignals,
 }
 
 impl Signals {
-    pub fn new(work_channel: String, events_channel: String) -> Self {
+    /// The channels of the store in `schema`.
+    pub fn for_schema(schema: &str) -> Self {
         Self {
-            work_channel,
-            events_channel,
+            work_channel: format!("dexa_work_{schema}"),
+            events_channel: format!("dexa_events_{schema}"),
+            revoke_channel: format!("dexa_revoke_{schema}"),
             work: Arc::new(Notify::new()),
             streams: StreamSignals::default(),
+            revocations: StreamSignals::default(),
         }
     }
 
-    /// Wakes every reader (a notification may have been missed).
+    /// Wakes every waiter (a notification may have been missed).
     fn wake_all(&self) {
         self.work.notify_waiters();
         self.streams.wake_all();
+        self.revocations.wake_all();
     }
 }
 
-/// A notification: work may be ready, or a flow's stream grew.
+/// A notification: work may be ready, a flow's stream grew, or a flow's
+/// tasks were taken.
 enum Note {
     Work,
     Stream(String),
+    Revoked(String),
 }
 
 /// Reads the database's clock; the instant is the middle of the round trip.
@@ -134,6 +145,7 @@ async fn connect(
     let (client, mut connection) = url.config.connect(tls).await?;
     let (sender, notes) = mpsc::unbounded_channel();
     let work_channel = signals.work_channel.clone();
+    let revoke_channel = signals.revoke_channel.clone();
     tokio::spawn(async move {
         let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
         while let Some(message) = messages.next().await {
@@ -141,6 +153,8 @@ async fn connect(
                 Ok(AsyncMessage::Notification(note)) => {
                     let note = if note.channel() == work_channel {
                         Note::Work
+                    } else if note.channel() == revoke_channel {
+                        Note::Revoked(note.payload().to_string())
                     } else {
                         Note::Stream(note.payload().to_string())
                     };
@@ -158,8 +172,8 @@ async fn connect(
     });
     client
         .batch_execute(&format!(
-            "LISTEN \"{}\"; LISTEN \"{}\"",
-            signals.work_channel, signals.events_channel
+            "LISTEN \"{}\"; LISTEN \"{}\"; LISTEN \"{}\"",
+            signals.work_channel, signals.events_channel, signals.revoke_channel
         ))
         .await?;
     Ok((client, notes))
@@ -197,12 +211,16 @@ async fn run(
                     // Coalesce: whatever else arrived wakes each waiter once.
                     let mut work = false;
                     let mut flows = HashSet::new();
+                    let mut revoked = HashSet::new();
                     let mut next = Some(note);
                     while let Some(note) = next {
                         match note {
                             Note::Work => work = true,
                             Note::Stream(flow_id) => {
                                 flows.insert(flow_id);
+                            }
+                            Note::Revoked(flow_id) => {
+                                revoked.insert(flow_id);
                             }
                         }
                         next = notes.try_recv().ok();
@@ -212,6 +230,9 @@ async fn run(
                     }
                     for flow_id in flows {
                         signals.streams.wake(&flow_id);
+                    }
+                    for flow_id in revoked {
+                        signals.revocations.wake(&flow_id);
                     }
                 }
                 // Bounded: a connection that went quiet (half-open TCP) is

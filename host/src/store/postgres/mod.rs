@@ -103,6 +103,16 @@ impl PostgresStore {
         listen::notify(tx, &self.inner.signals.events_channel, flow_id).await
     }
 
+    /// Wakes the Steps running for `flow_id` in every process at commit:
+    /// its tasks were taken.
+    async fn notify_revoked<C: deadpool_postgres::GenericClient>(
+        &self,
+        tx: &C,
+        flow_id: &str,
+    ) -> TxResult<()> {
+        listen::notify(tx, &self.inner.signals.revoke_channel, flow_id).await
+    }
+
     /// Wakes this process's workers now (the notification comes back too,
     /// but later).
     fn wake_here(&self) {
@@ -162,6 +172,10 @@ impl FlowStore for PostgresStore {
         Some(self.inner.signals.streams.stream(flow_id))
     }
 
+    fn revocation_signal(&self, flow_id: &str) -> Option<Arc<Notify>> {
+        Some(self.inner.signals.revocations.stream(flow_id))
+    }
+
     async fn create_flow(
         &self,
         flow_id: &str,
@@ -190,9 +204,17 @@ impl FlowStore for PostgresStore {
     }
 
     async fn stop_flow(&self, flow_id: &str) -> Result<bool, StoreError> {
-        in_tx!(self, false, |tx, now| {
-            flows::stop_flow(&tx, now, flow_id).await?
-        })
+        let stopped = in_tx!(self, false, |tx, now| {
+            let stopped = flows::stop_flow(&tx, now, flow_id).await?;
+            if stopped {
+                self.notify_revoked(&tx, flow_id).await?;
+            }
+            stopped
+        })?;
+        if stopped {
+            self.inner.signals.revocations.wake(flow_id);
+        }
+        Ok(stopped)
     }
 
     async fn claim(

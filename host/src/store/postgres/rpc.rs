@@ -26,6 +26,8 @@ pub(super) struct PgStateTx<'a, 't> {
     read_only: bool,
     /// Whether the body appended to a stream of the flow.
     appended: bool,
+    /// Whether the body took the flow's tasks.
+    took: bool,
 }
 
 impl<'a, 't> PgStateTx<'a, 't> {
@@ -43,6 +45,7 @@ impl<'a, 't> PgStateTx<'a, 't> {
             now,
             read_only,
             appended: false,
+            took: false,
         }
     }
 
@@ -143,7 +146,9 @@ impl StateTx for PgStateTx<'_, '_> {
 
     fn take_tasks(&mut self) -> Result<Vec<TakenTask>, StoreError> {
         self.writable("take the tasks")?;
-        self.run(super::tasks::take_tasks(self.tx, &self.flow_id))
+        let taken = self.run(super::tasks::take_tasks(self.tx, &self.flow_id))?;
+        self.took = true;
+        Ok(taken)
     }
 
     fn add_task(&mut self, task: NewTask) -> Result<(), StoreError> {
@@ -203,11 +208,11 @@ impl PostgresStore {
                     .map_err(TxError::into_error)?;
             }
             let now = store.clock_now();
-            let (result, appended) = {
+            let (result, appended, took) = {
                 let mut state =
                     PgStateTx::new(&tx, handle.clone(), flow_id.clone(), now, read_only);
                 let result = body(&mut state);
-                (result, state.appended)
+                (result, state.appended, state.took)
             };
             match result {
                 Ok(value) => {
@@ -221,9 +226,17 @@ impl PostgresStore {
                             .block_on(store.notify_stream(&tx, &flow_id))
                             .map_err(TxError::into_error)?;
                     }
+                    if took {
+                        handle
+                            .block_on(store.notify_revoked(&tx, &flow_id))
+                            .map_err(TxError::into_error)?;
+                    }
                     handle.block_on(tx.commit()).map_err(db)?;
                     if appended {
                         store.inner.signals.streams.wake(&flow_id);
+                    }
+                    if took {
+                        store.inner.signals.revocations.wake(&flow_id);
                     }
                     Ok(value)
                 }

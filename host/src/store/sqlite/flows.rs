@@ -80,6 +80,7 @@ pub(super) fn stop_flow(
     )?;
     if stopped > 0 {
         tasks::drop_tasks(tx, flow_id)?;
+        tasks::count_revocation(tx, flow_id)?;
     }
     Ok(stopped > 0)
 }

@@ -98,6 +98,9 @@ struct Inner {
     /// The readers of each flow's streams: woken by this process's appends
     /// at once, by any commit through the stream watch.
     streams: Arc<StreamSignals>,
+    /// The Steps running for each flow: woken when its tasks are taken, by
+    /// this process at once, by another through the watch.
+    revocations: Arc<StreamSignals>,
 }
 
 impl SqliteStore {
@@ -117,7 +120,12 @@ impl SqliteStore {
         let checkpoints = spawn_checkpointer(open_reader(&path, &options)?)?;
         let signal = Arc::new(Notify::new());
         let streams = Arc::new(StreamSignals::default());
-        spawn_stream_watch(open_reader(&path, &options)?, Arc::downgrade(&streams))?;
+        let revocations = Arc::new(StreamSignals::default());
+        spawn_stream_watch(
+            open_reader(&path, &options)?,
+            Arc::downgrade(&streams),
+            Arc::downgrade(&revocations),
+        )?;
         let (jobs, queue) = mpsc::channel();
         std::thread::Builder::new()
             .name("dexa-sqlite-writer".to_string())
@@ -134,6 +142,7 @@ impl SqliteStore {
                 readers: Mutex::new(Vec::new()),
                 signal,
                 streams,
+                revocations,
             }),
         })
     }
@@ -272,6 +281,10 @@ impl FlowStore for SqliteStore {
         Some(self.inner.streams.stream(flow_id))
     }
 
+    fn revocation_signal(&self, flow_id: &str) -> Option<Arc<Notify>> {
+        Some(self.inner.revocations.stream(flow_id))
+    }
+
     async fn create_flow(
         &self,
         flow_id: &str,
@@ -300,9 +313,14 @@ impl FlowStore for SqliteStore {
     }
 
     async fn stop_flow(&self, flow_id: &str) -> Result<bool, StoreError> {
-        let flow_id = flow_id.to_string();
-        self.write(move |tx, now| flows::stop_flow(tx, now, &flow_id))
-            .await
+        let flow = flow_id.to_string();
+        let stopped = self
+            .write(move |tx, now| flows::stop_flow(tx, now, &flow))
+            .await?;
+        if stopped {
+            self.inner.revocations.wake(flow_id);
+        }
+        Ok(stopped)
     }
 
     async fn claim(
@@ -530,11 +548,14 @@ impl FlowStore for SqliteStore {
 
     async fn rpc(&self, flow_id: &str, body: RpcBody) -> Result<Box<dyn Any + Send>, RpcError> {
         let flow = flow_id.to_string();
-        let (value, appended) = self
+        let (value, wakes) = self
             .write_job(true, move |conn, now| rpc::run(conn, flow, now, body))
             .await?;
-        if appended {
+        if wakes.appended {
             self.inner.streams.wake(flow_id);
+        }
+        if wakes.took {
+            self.inner.revocations.wake(flow_id);
         }
         Ok(value)
     }

@@ -11,18 +11,26 @@ use super::{state, streams, tasks};
 use crate::flow::store::{RpcBody, RpcError, StateTx, StoreError};
 use crate::flow::types::{FlowInfo, Json, MapQuery, NewTask, StoreMillis, TakenTask, Versioned};
 
+/// What an RPC's commit must wake, after it.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct RpcWakes {
+    /// It appended to the flow's streams: their readers.
+    pub appended: bool,
+    /// It took the flow's tasks: the Steps running them.
+    pub took: bool,
+}
+
 /// Runs `body` on `flow_id` in the writer's transaction `conn`; says too
-/// whether it appended to the flow's streams (whose readers the caller wakes
-/// after the commit).
+/// what the caller wakes after the commit.
 pub(super) fn run(
     conn: &Connection,
     flow_id: String,
     now: StoreMillis,
     body: RpcBody,
-) -> Result<(Box<dyn Any + Send>, bool), RpcError> {
+) -> Result<(Box<dyn Any + Send>, RpcWakes), RpcError> {
     let mut state = SqliteStateTx::new(conn, flow_id, now);
     let value = body(&mut state)?;
-    Ok((value, state.appended))
+    Ok((value, state.wakes))
 }
 
 /// Runs `body` on `flow_id` on the read connection `conn`, in one deferred
@@ -56,8 +64,7 @@ pub(super) struct SqliteStateTx<'c> {
     flow_id: String,
     now: StoreMillis,
     read_only: bool,
-    /// Whether the body appended to a stream of the flow.
-    appended: bool,
+    wakes: RpcWakes,
 }
 
 impl<'c> SqliteStateTx<'c> {
@@ -67,7 +74,7 @@ impl<'c> SqliteStateTx<'c> {
             flow_id,
             now,
             read_only: false,
-            appended: false,
+            wakes: RpcWakes::default(),
         }
     }
 
@@ -156,6 +163,8 @@ impl StateTx for SqliteStateTx<'_> {
         self.writable("take the tasks")?;
         let taken = tasks::flow_tasks(self.conn, &self.flow_id)?;
         tasks::drop_tasks(self.conn, &self.flow_id)?;
+        tasks::count_revocation(self.conn, &self.flow_id)?;
+        self.wakes.took = true;
         Ok(taken)
     }
 
@@ -171,7 +180,7 @@ impl StateTx for SqliteStateTx<'_> {
     fn append(&mut self, stream: &str, payload: Json) -> Result<i64, StoreError> {
         self.writable(&format!("append to {stream}"))?;
         let seqs = streams::append_stream(self.conn, self.now, &self.flow_id, stream, &[payload])?;
-        self.appended = true;
+        self.wakes.appended = true;
         seqs.first().copied().ok_or_else(|| {
             StoreError::Backend(format!("the append to {stream} returned no sequence"))
         })

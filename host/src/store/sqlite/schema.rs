@@ -70,6 +70,14 @@ CREATE TABLE IF NOT EXISTS channel_messages (
 );
 CREATE INDEX IF NOT EXISTS channel_lookup ON channel_messages (flow_id, channel, key, message_id);
 
+-- How often each flow's tasks were taken (a cancel, a stop): the stream
+-- watch wakes the flow's running Steps in every process when it moves.
+-- Additive (no version bump): an older dexa never reads or writes it.
+CREATE TABLE IF NOT EXISTS flow_revocations (
+    flow_id  TEXT PRIMARY KEY,
+    seq      INTEGER NOT NULL
+) WITHOUT ROWID;
+
 CREATE TABLE IF NOT EXISTS streams (
     flow_id         TEXT NOT NULL,
     stream          TEXT NOT NULL,

@@ -104,6 +104,17 @@ pub(super) fn lease_held(
     )
 }
 
+/// Counts a take of `flow_id`'s tasks, for other processes' watches.
+pub(super) fn count_revocation(conn: &Connection, flow_id: &str) -> Result<(), StoreError> {
+    cached_execute(
+        conn,
+        "INSERT INTO flow_revocations (flow_id, seq) VALUES (?1, 1)
+         ON CONFLICT (flow_id) DO UPDATE SET seq = seq + 1",
+        params![flow_id],
+    )?;
+    Ok(())
+}
+
 pub(super) fn drop_tasks(conn: &Connection, flow_id: &str) -> Result<(), StoreError> {
     cached_execute(
         conn,
