@@ -79,7 +79,15 @@ pub async fn serve(
     loop {
         let stream = tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
+                Ok((stream, _)) => {
+                    // Small writes (an SSE event, a short answer) go out at
+                    // once: with Nagle's algorithm one waits for the ACK of
+                    // the last, which a client may delay by 40 ms.
+                    if let Err(err) = stream.set_nodelay(true) {
+                        tracing::debug!(error = %err, "cannot set TCP_NODELAY");
+                    }
+                    stream
+                }
                 Err(err) => {
                     accept_error(err).await;
                     continue;
