@@ -259,6 +259,13 @@ pub trait FlowStore: Send + Sync + 'static {
     fn revocation_signal(&self, _flow_id: &str) -> Option<Arc<Notify>> {
         None
     }
+    /// How many revocation wakes this process has seen, of any flow. A
+    /// worker reads it before it claims: if it moved by the time the Step's
+    /// signal is armed, a wake may have come first, and it looks at the
+    /// lease once.
+    fn revocation_generation(&self) -> u64 {
+        0
+    }
     /// Whether the lease `(task_id, lease_token)` still stands: false once
     /// the task was taken from its flow (a cancel), finished, or leased
     /// again. A read: a worker asks it when its flow's streams move while it

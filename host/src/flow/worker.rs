@@ -134,6 +134,8 @@ impl Worker {
             let mut claimed_all = false;
             let mut claimed_any = false;
             if free > 0 {
+                // Read before the claim: see `revoke::lease_taken`.
+                let since = self.store.revocation_generation();
                 match self
                     .store
                     .claim(&self.options.worker_id, &flow_types, free, lease_ms)
@@ -147,7 +149,7 @@ impl Worker {
                                 self.store.clone(),
                                 self.registry.clone(),
                                 held.clone(),
-                                task,
+                                (task, since),
                                 self.options.on_step_committed.clone(),
                                 ClaimNext {
                                     worker_id: self.options.worker_id.clone(),
@@ -311,17 +313,18 @@ async fn run_task(
     store: Arc<dyn FlowStore>,
     registry: Arc<Registry>,
     held: HeldTasks,
-    task: ClaimedTask,
+    task: (ClaimedTask, u64),
     observer: Option<StepObserver>,
     claim_next: ClaimNext,
 ) {
     let mut next = Some(task);
-    while let Some(task) = next.take() {
+    while let Some((task, since)) = next.take() {
         next = run_one(
             &store,
             &registry,
             &held,
             task,
+            since,
             observer.as_ref(),
             &claim_next,
         )
@@ -334,9 +337,10 @@ async fn run_one(
     registry: &Arc<Registry>,
     held: &HeldTasks,
     task: ClaimedTask,
+    since: u64,
     observer: Option<&StepObserver>,
     claim_next: &ClaimNext,
-) -> Option<ClaimedTask> {
+) -> Option<(ClaimedTask, u64)> {
     let claimed_at = Instant::now();
     let task = Arc::new(task);
     let heartbeat = Heartbeat::new();
@@ -369,7 +373,7 @@ async fn run_one(
                     entry.abort = Some(handle.abort_handle());
                 }
             }
-            let taken = super::revoke::lease_taken(store.clone(), task.clone());
+            let taken = super::revoke::lease_taken(store.clone(), task.clone(), since);
             supervise(handle, &task.policy, &heartbeat, taken).await
         }
     };
@@ -379,12 +383,14 @@ async fn run_one(
     }
     match result {
         Ok(step_result) => {
+            // The commit may lease the flow's next task: read before it.
+            let since = store.revocation_generation();
             let claimed =
                 commit(store, registry, &task, step_result, claim_next, component).await?;
             if let Some(observer) = observer {
                 observer(&task, claimed_at.elapsed());
             }
-            claimed.into_iter().next()
+            claimed.into_iter().next().map(|next| (next, since))
         }
         Err(AttemptError::Taken) => {
             tracing::info!(

@@ -78,10 +78,10 @@ fn cancel_pending(tx: &mut dyn StateTx, turn_id: &str) -> Result<Option<usize>, 
 /// `steer` (if any) to start the next turn.
 ///
 /// A cancel already under way is left alone by a plain cancel (nothing is
-/// written). A steer joins it, but only while its CancelTurn waits: one
-/// that runs holds [`CANCEL_REQUESTED`], and the RPC's lock conflict makes
-/// the steer try again after it committed (then it cancels the turn that
-/// CancelTurn started). At most [`MAX_PENDING_STEERS`] steers join.
+/// written). A steer joins it, taking its CancelTurn even while one runs (a
+/// CancelTurn keeps every effect for its commit, so its worker stops it and
+/// the new one does it all again); at most [`MAX_PENDING_STEERS`] join, so
+/// that no flood of steers keeps the turn from ending.
 pub(super) fn take_turn(
     tx: &mut dyn StateTx,
     registry: &Registry,
@@ -99,7 +99,6 @@ pub(super) fn take_turn(
         }
         (waiting, _) => waiting.unwrap_or(0) + usize::from(steer.is_some()),
     };
-    tx.lock(CANCEL_REQUESTED)?;
     let flow = tx
         .flow()?
         .ok_or_else(|| RpcError::Rejected("the session is gone".to_string()))?;

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use super::components::AgentComponents;
 use super::options::AgentSessionOptions;
-use super::records::{CANCEL_REQUESTED, PENDING_INTERRUPTS};
+use super::records::PENDING_INTERRUPTS;
 use super::steps::{step, SessionSteps};
 use crate::flow::{FlowType, RetryPolicy, StepContext, StepDef, StepError, StepResult};
 
@@ -112,10 +112,7 @@ impl AgentSessionFlow {
             ))
             .step(self.def(step::RESUME_TURN, SessionSteps::resume_turn))
             .step(self.def(step::RECORD_TURN_FAILURE, SessionSteps::record_turn_failure))
-            .step(
-                self.def(step::CANCEL_TURN, SessionSteps::cancel_turn)
-                    .locks([CANCEL_REQUESTED]),
-            )
+            .step(self.def(step::CANCEL_TURN, SessionSteps::cancel_turn))
     }
 
     fn def<F, Fut>(&self, name: &str, run: F) -> StepDef

@@ -26,9 +26,8 @@ pub const QUEUED_USER_MESSAGES: &str = "QUEUED_USER_MESSAGES";
 pub const INTERRUPT_RESOLUTIONS: &str = "INTERRUPT_RESOLUTIONS";
 /// Internal Channel of [`ToolCallCompleted`].
 pub const TOOL_CALL_RESULTS: &str = "TOOL_CALL_RESULTS";
-/// The turn a cancel was asked for, until its CancelTurn commits; CancelTurn
-/// holds it while it runs, so a steer waits for it rather than undoing its
-/// work.
+/// The turn a cancel was asked for and the steering messages waiting for
+/// it, until its CancelTurn commits.
 pub const CANCEL_REQUESTED: &str = "CANCEL_REQUESTED";
 /// The most steering messages one pending cancel gathers; more is refused
 /// (409 `busy`) until its CancelTurn has run.

@@ -7,6 +7,7 @@
 //! `data_version`).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use tokio::sync::Notify;
@@ -15,6 +16,9 @@ use tokio::sync::Notify;
 #[derive(Debug, Default)]
 pub struct StreamSignals {
     flows: Mutex<HashMap<String, Weak<Notify>>>,
+    /// How many wakes there were, of any flow: a waiter that read it before
+    /// it could arm its signal knows it may have missed one.
+    generation: AtomicU64,
 }
 
 impl StreamSignals {
@@ -40,8 +44,19 @@ impl StreamSignals {
         signal
     }
 
+    /// How many wakes there were so far, of any flow.
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    /// Counts a wake (see [`Self::generation`]).
+    pub fn bump(&self) {
+        self.generation.fetch_add(1, Ordering::AcqRel);
+    }
+
     /// Wakes the readers of `flow_id`'s streams, if any.
     pub fn wake(&self, flow_id: &str) {
+        self.bump();
         let signal = self.flows().get(flow_id).and_then(Weak::upgrade);
         if let Some(signal) = signal {
             signal.notify_waiters();
@@ -50,6 +65,7 @@ impl StreamSignals {
 
     /// Wakes every reader (a notification may have been missed).
     pub fn wake_all(&self) {
+        self.bump();
         for (_, signal) in self.read() {
             signal.notify_waiters();
         }

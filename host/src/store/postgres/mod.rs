@@ -176,6 +176,10 @@ impl FlowStore for PostgresStore {
         Some(self.inner.signals.revocations.stream(flow_id))
     }
 
+    fn revocation_generation(&self) -> u64 {
+        self.inner.signals.revocations.generation()
+    }
+
     async fn create_flow(
         &self,
         flow_id: &str,

@@ -285,6 +285,10 @@ impl FlowStore for SqliteStore {
         Some(self.inner.revocations.stream(flow_id))
     }
 
+    fn revocation_generation(&self) -> u64 {
+        self.inner.revocations.generation()
+    }
+
     async fn create_flow(
         &self,
         flow_id: &str,

@@ -37,8 +37,10 @@ pub(super) fn spawn_stream_watch(
     std::thread::Builder::new()
         .name("dexa-sqlite-streams".to_string())
         .spawn(move || {
-            let mut heads = StreamHeads::new(HEADS);
-            let mut revoked = StreamHeads::new(REVOCATIONS);
+            let mut heads = StreamHeads::new(HEADS, true);
+            // A flow never revoked (no count yet) cannot have been revoked
+            // before its Step started waiting; one that was may have been.
+            let mut revoked = StreamHeads::new(REVOCATIONS, false);
             loop {
                 std::thread::sleep(WATCH_INTERVAL);
                 let (Some(signals), Some(revocations)) = (signals.upgrade(), revocations.upgrade())
@@ -77,13 +79,16 @@ const REVOCATIONS: &str = "SELECT flow_id, seq FROM flow_revocations
 /// The heads last seen (by `query`), per flow someone waits on.
 struct StreamHeads {
     query: &'static str,
+    /// Whether a flow first seen at head 0 counts as moved.
+    wake_new_at_zero: bool,
     heads: HashMap<String, i64>,
 }
 
 impl StreamHeads {
-    fn new(query: &'static str) -> Self {
+    fn new(query: &'static str, wake_new_at_zero: bool) -> Self {
         Self {
             query,
+            wake_new_at_zero,
             heads: HashMap::new(),
         }
     }
@@ -102,6 +107,7 @@ impl StreamHeads {
                 Ok(heads) => heads,
                 Err(err) => {
                     tracing::debug!(error = %err, "cannot read stream heads; waking their readers");
+                    signals.bump();
                     for (_, signal) in chunk {
                         signal.notify_waiters();
                     }
@@ -110,7 +116,13 @@ impl StreamHeads {
             };
             for (flow_id, signal) in chunk {
                 let head = heads.get(flow_id).copied().unwrap_or(0);
-                if self.heads.insert(flow_id.clone(), head) != Some(head) {
+                let before = self.heads.insert(flow_id.clone(), head);
+                let moved = match before {
+                    Some(before) => before != head,
+                    None => head != 0 || self.wake_new_at_zero,
+                };
+                if moved {
+                    signals.bump();
                     signal.notify_waiters();
                 }
             }
