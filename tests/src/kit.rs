@@ -48,6 +48,24 @@ pub fn dexa_binary() -> PathBuf {
     path
 }
 
+/// Runs `dexa session ARGS --config CONFIG` to its end: the exit code, and
+/// what it printed on stdout and stderr.
+pub async fn dexa_session(config: &Path, args: &[&str]) -> (Option<i32>, String, String) {
+    let output = tokio::process::Command::new(dexa_binary())
+        .arg("session")
+        .args(args)
+        .arg("--config")
+        .arg(config)
+        .output()
+        .await
+        .unwrap_or_else(|err| panic!("run dexa session: {err}"));
+    (
+        output.status.code(),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
 /// One agent of a stack, run by `scripted-runner` with a script.
 pub struct KitAgent {
     pub name: String,

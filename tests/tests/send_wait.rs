@@ -6,7 +6,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use dexa_tests::api_server::{helpdesk_config, ApiServer, TEST_TOKEN};
-use dexa_tests::kit::dexa_binary;
+use dexa_tests::kit::{dexa_binary, dexa_session};
 use reqwest::StatusCode;
 use serde_json::{json, Value};
 use tokio::process::Command;
@@ -229,22 +229,6 @@ async fn a_bad_wait_is_a_typed_400_and_queues_nothing() {
     assert_eq!(snapshot["state"]["turn_count"], 0, "{snapshot}");
 }
 
-async fn session_cli(config: &std::path::Path, args: &[&str]) -> (Option<i32>, String, String) {
-    let output = Command::new(dexa_binary())
-        .arg("session")
-        .args(args)
-        .arg("--config")
-        .arg(config)
-        .output()
-        .await
-        .unwrap();
-    (
-        output.status.code(),
-        String::from_utf8_lossy(&output.stdout).into_owned(),
-        String::from_utf8_lossy(&output.stderr).into_owned(),
-    )
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dexa_session_send_wait_prints_the_turn_a_worker_in_another_process_ran() {
     let dir = tempfile::tempdir().unwrap();
@@ -266,13 +250,13 @@ async fn dexa_session_send_wait_prints_the_turn_a_worker_in_another_process_ran(
         .kill_on_drop(true)
         .spawn()
         .unwrap();
-    let (code, _, err) = session_cli(&config, &["start", "Helpdesk", "--id", "s1"]).await;
+    let (code, _, err) = dexa_session(&config, &["start", "Helpdesk", "--id", "s1"]).await;
     assert_eq!(code, Some(0), "{err}");
-    let (code, out, err) = session_cli(&config, &["send", "s1", "hi", "--wait", "60"]).await;
+    let (code, out, err) = dexa_session(&config, &["send", "s1", "hi", "--wait", "60"]).await;
     assert_eq!(code, Some(0), "{err}");
     assert_eq!(out.trim(), "assistant: hello from the worker");
     let (code, out, err) =
-        session_cli(&config, &["send", "s1", "pay", "--wait", "60", "--json"]).await;
+        dexa_session(&config, &["send", "s1", "pay", "--wait", "60", "--json"]).await;
     assert_eq!(
         code,
         Some(2),
@@ -281,11 +265,11 @@ async fn dexa_session_send_wait_prints_the_turn_a_worker_in_another_process_ran(
     let answer: Value = serde_json::from_str(out.trim()).unwrap();
     assert_eq!(answer["status"], "waiting_for_approval", "{answer}");
     assert_eq!(answer["interrupts"][0]["interrupt_id"], "turn-2/pay");
-    let (code, out, err) = session_cli(&config, &["cancel", "s1"]).await;
+    let (code, out, err) = dexa_session(&config, &["cancel", "s1"]).await;
     assert_eq!((code, out.trim()), (Some(0), "cancelled turn-2"), "{err}");
     let mut idle = false;
     for _ in 0..500 {
-        let (_, out, _) = session_cli(&config, &["cancel", "s1"]).await;
+        let (_, out, _) = dexa_session(&config, &["cancel", "s1"]).await;
         if out.trim() == "no turn is running" {
             idle = true;
             break;

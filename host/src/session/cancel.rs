@@ -29,6 +29,20 @@ fn corrupt(what: &str, err: serde_json::Error) -> RpcError {
     RpcError::Store(StoreError::Corrupt(format!("{what}: {err}")))
 }
 
+/// Whether session `id` exists and runs: a cancel needs both.
+fn running(tx: &mut dyn StateTx, id: &str) -> Result<Result<(), SessionError>, RpcError> {
+    let Some(flow) = tx.flow()? else {
+        return Ok(Err(SessionError::NoSuchSession(id.to_string())));
+    };
+    if flow.status != FlowStatus::Running {
+        return Ok(Err(SessionError::NotRunning {
+            session_id: id.to_string(),
+            status: flow.status.as_str().to_string(),
+        }));
+    }
+    Ok(Ok(()))
+}
+
 /// The running turn, if any.
 pub(super) fn active_turn(tx: &mut dyn StateTx) -> Result<Option<String>, RpcError> {
     let Some(state) = tx.get(AGENT_STATE, "")? else {
@@ -173,14 +187,8 @@ impl AgentSessionClient {
         let id = session_id.to_string();
         self.flow_client()
             .rpc(session_id, move |tx| {
-                let Some(flow) = tx.flow()? else {
-                    return Ok(Err(SessionError::NoSuchSession(id.clone())));
-                };
-                if flow.status != FlowStatus::Running {
-                    return Ok(Err(SessionError::NotRunning {
-                        session_id: id.clone(),
-                        status: flow.status.as_str().to_string(),
-                    }));
+                if let Err(err) = running(tx, &id)? {
+                    return Ok(Err(err));
                 }
                 let Some(turn_id) = active_turn(tx)? else {
                     return Ok(Ok(CancelOutcome::NoTurn));
@@ -202,14 +210,8 @@ impl AgentSessionClient {
         let id = session_id.to_string();
         self.flow_client()
             .read_rpc(session_id, move |tx| {
-                let Some(flow) = tx.flow()? else {
-                    return Ok(Err(SessionError::NoSuchSession(id.clone())));
-                };
-                if flow.status != FlowStatus::Running {
-                    return Ok(Err(SessionError::NotRunning {
-                        session_id: id.clone(),
-                        status: flow.status.as_str().to_string(),
-                    }));
+                if let Err(err) = running(tx, &id)? {
+                    return Ok(Err(err));
                 }
                 Ok(Ok(match active_turn(tx)? {
                     None => Some(CancelOutcome::NoTurn),

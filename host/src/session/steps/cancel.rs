@@ -145,31 +145,17 @@ impl SessionSteps {
                 ),
             );
         }
-        // The note is the turn's own: its pinned runner builds it.
-        let mut note_error = None;
-        let built = match self.turn_runner(&ctx, &state).await {
-            Ok(runner) => {
-                self.user_message(&ctx, &tag, &turn_cancelled_note(&records), &runner)
-                    .await
-            }
-            Err(err) => Err(retryable(err.to_string())),
-        };
-        match built {
-            Ok(note) => {
-                let sequence = state.message_count + 1;
-                state.message_count = sequence;
-                let stored = AgentMessage::from_framework(sequence, &turn, &note);
-                result = result.set_entry(
-                    AGENT_MESSAGES,
-                    &message_sequence_key(sequence),
-                    to_json(&stored),
-                );
-            }
-            // No failure route: on the last attempt the turn ends without
-            // its note, and says why.
-            Err(err) if last_attempt(&ctx) => note_error = Some(err.to_string()),
-            Err(err) => return Err(err),
-        }
+        // The note is the turn's own: its pinned runner builds it; on the
+        // last attempt the turn ends without it, and says why.
+        let (result, note_error) = self
+            .add_turn_note(
+                &ctx,
+                &tag,
+                &mut state,
+                &turn_cancelled_note(&records),
+                result,
+            )
+            .await?;
         state.status = SessionStatus::WaitingForUserMessage;
         state.active_turn_id = None;
         state.last_turn_error = None;

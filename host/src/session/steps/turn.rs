@@ -99,6 +99,39 @@ impl SessionSteps {
         Ok(message)
     }
 
+    /// Builds `text` into a note with the turn's pinned runner and adds it to
+    /// `result` as the turn's next message. These Steps have no failure
+    /// route: on the last attempt a note that cannot be built is left out,
+    /// and why is returned for the caller to report.
+    pub(super) async fn add_turn_note(
+        &self,
+        ctx: &StepContext,
+        tag: &StepTag,
+        state: &mut AgentState,
+        text: &str,
+        result: StepResult,
+    ) -> Result<(StepResult, Option<String>), StepError> {
+        let built = match self.turn_runner(ctx, state).await {
+            Ok(runner) => self.user_message(ctx, tag, text, &runner).await,
+            Err(err) => Err(retryable(err.to_string())),
+        };
+        match built {
+            Ok(note) => {
+                let sequence = state.message_count + 1;
+                state.message_count = sequence;
+                let stored = AgentMessage::from_framework(sequence, &tag.turn_id, &note);
+                let result = result.set_entry(
+                    AGENT_MESSAGES,
+                    &message_sequence_key(sequence),
+                    to_json(&stored),
+                );
+                Ok((result, None))
+            }
+            Err(err) if last_attempt(ctx) => Ok((result, Some(err.to_string()))),
+            Err(err) => Err(err),
+        }
+    }
+
     /// Stores the user's message and starts the next turn.
     pub(super) async fn begin_turn(
         &self,
@@ -261,37 +294,21 @@ impl SessionSteps {
             .collect();
         let mut result = StepResult::go_to(await_user_message_call());
         let mut error = error;
-        let note = if finished.is_empty() {
-            None
-        } else {
+        if !finished.is_empty() {
             // The note is the turn's own: its pinned runner builds it.
-            let built = match self.turn_runner(&ctx, &state).await {
-                Ok(runner) => {
-                    self.user_message(&ctx, &tag, &turn_failure_note(&finished), &runner)
-                        .await
-                }
-                Err(err) => Err(retryable(err.to_string())),
-            };
-            match built {
-                Ok(note) => Some(note),
-                // No failure route here either: on the last attempt the
-                // turn fails without its note, and says why.
-                Err(err) if last_attempt(&ctx) => {
-                    error = format!("{error} (and its failure note could not be built: {err})");
-                    None
-                }
-                Err(err) => return Err(err),
+            let (noted, unbuilt) = self
+                .add_turn_note(
+                    &ctx,
+                    &tag,
+                    &mut state,
+                    &turn_failure_note(&finished),
+                    result,
+                )
+                .await?;
+            result = noted;
+            if let Some(err) = unbuilt {
+                error = format!("{error} (and its failure note could not be built: {err})");
             }
-        };
-        if let Some(note) = note {
-            let sequence = state.message_count + 1;
-            state.message_count = sequence;
-            let stored = AgentMessage::from_framework(sequence, &turn, &note);
-            result = result.set_entry(
-                AGENT_MESSAGES,
-                &message_sequence_key(sequence),
-                to_json(&stored),
-            );
         }
         state.status = SessionStatus::WaitingForUserMessage;
         state.active_turn_id = None;
