@@ -301,6 +301,11 @@ impl AgentTestStack {
     }
 
     /// What worker `index` printed.
+    /// How many workers were started (killed ones too).
+    pub fn worker_count(&self) -> usize {
+        self.workers.len()
+    }
+
     pub fn worker_log(&self, index: usize) -> String {
         std::fs::read_to_string(&self.workers[index].log).unwrap_or_default()
     }

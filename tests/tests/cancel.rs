@@ -7,33 +7,48 @@
 //! then would write `<gate>.passed` within 2 ms. The invocation log shows
 //! that nothing ran twice; the next turn's history holds the note.
 
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use dexa::session::{
     event_type, AgentEvent, AgentSessionClient, AgentSnapshot, CancelOutcome, MessageRole,
     ToolEffect,
 };
-use dexa_tests::kit::{wait_for_agent_snapshot, wait_for_turns, AgentTestStack, KitAgent};
+use dexa_tests::kit::{
+    wait_for_agent_snapshot, wait_for_turns, AgentTestStack, KitAgent, KitSettings,
+};
 use dexa_tests::session::{all_events, texts_of, Backend, BACKEND};
 use serde_json::{json, Value};
 
 const AGENT: &str = "Cancel";
 
 /// How long after the cancel request the gate opens: a call not stopped by
-/// then passes it.
-const INTERRUPT_WITHIN: Duration = Duration::from_millis(100);
+/// then passes it. Not the 100 ms the stop takes on this machine (printed
+/// from the worker's log, see `interrupt_latency`), so that a busy machine
+/// does not fail it; the workers' leases are long (below), so only the
+/// push, not a lease renewal, stops a call this soon.
+const INTERRUPT_WITHIN: Duration = Duration::from_secs(1);
+
+/// The workers' lease: a Step whose task was taken is noticed at a renewal
+/// a third of this later, far past [`INTERRUPT_WITHIN`].
+const LEASE: Duration = Duration::from_secs(30);
 
 /// A bound for the test, not the expectation (see the closing note's
 /// figures): the turn ends one worker pickup and one commit after the
 /// request.
-const ENDS_WITHIN: Duration = Duration::from_secs(3);
+const ENDS_WITHIN: Duration = Duration::from_secs(20);
 
 fn stack(turns: Value, policies: &[(&str, ToolEffect, Option<bool>)]) -> AgentTestStack {
     let mut agent = KitAgent::scripted(AGENT, json!({ "turns": turns })).tool("gate-tool");
     for (tool, effect, approval) in policies {
         agent = agent.policy(tool, *effect, *approval);
     }
-    AgentTestStack::new(vec![agent])
+    AgentTestStack::with_settings(
+        vec![agent],
+        KitSettings {
+            lease: LEASE,
+            ..KitSettings::default()
+        },
+    )
 }
 
 fn call(id: &str, tool: &str, args: Value) -> Value {
@@ -52,6 +67,7 @@ async fn events_of(sessions: &AgentSessionClient, kind: &str) -> Vec<AgentEvent>
 /// was stored, having opened `gates` [`INTERRUPT_WITHIN`] after the request.
 async fn cancel(stack: &AgentTestStack, gates: &[&str]) -> Duration {
     let sessions = stack.sessions(AGENT);
+    let requested_at = SystemTime::now();
     let requested = Instant::now();
     let outcome = sessions.cancel_turn("s1").await.unwrap();
     assert_eq!(
@@ -91,8 +107,39 @@ async fn cancel(stack: &AgentTestStack, gates: &[&str]) -> Duration {
         );
     }
     let ended = ended.unwrap_or_default();
-    eprintln!("cancel: turn_cancelled stored {ended:?} after the request");
+    let stopped = stopped_after(stack, requested_at);
+    eprintln!(
+        "cancel: turn_cancelled stored {ended:?} after the request; guest calls stopped after {stopped:?}"
+    );
     ended
+}
+
+/// A worker that logs each Step it stops (`start_worker` logs warnings
+/// only).
+fn start(stack: &mut AgentTestStack) -> usize {
+    stack.start_worker_with_env(&[], &[("RUST_LOG", "info")])
+}
+
+/// How long after `requested_at` the workers logged stopping Steps: the
+/// interrupt's latency, read from the log lines' timestamps (a figure to
+/// print, not to assert: a busy machine may take longer).
+fn stopped_after(stack: &AgentTestStack, requested_at: SystemTime) -> Vec<Duration> {
+    let mut stopped = Vec::new();
+    for worker in 0..stack.worker_count() {
+        for line in stack.worker_log(worker).lines() {
+            if !line.contains("the Step was stopped") {
+                continue;
+            }
+            let at = line
+                .split_whitespace()
+                .next()
+                .and_then(|stamp| humantime::parse_rfc3339_weak(stamp.trim_end_matches('Z')).ok());
+            if let Some(elapsed) = at.and_then(|at| at.duration_since(requested_at).ok()) {
+                stopped.push(elapsed);
+            }
+        }
+    }
+    stopped
 }
 
 /// The session after its cancelled turn: idle, no error, its note last.
@@ -158,7 +205,7 @@ async fn a_cancel_during_a_model_call_that_sleeps_30_s_stops_it_and_ends_the_tur
         ]),
         &[],
     );
-    let worker = stack.start_worker_with_env(&[], &[("RUST_LOG", "info")]);
+    let worker = start(&mut stack);
     let sessions = stack.sessions(AGENT);
     sessions.start_session("s1", "think long").await.unwrap();
     stack.invocations().wait_for_count("model", 1).await;
@@ -182,7 +229,7 @@ async fn a_cancel_during_a_model_call_that_sleeps_30_s_stops_it_and_ends_the_tur
     assert_eq!(stack.invocations().count("model"), 1, "never retried");
 }
 
-async fn a_cancel_during_a_model_call_stops_it_within_100_ms_and_ends_the_turn() {
+async fn a_cancel_during_a_model_call_stops_it_at_once_and_ends_the_turn() {
     let mut stack = stack(
         json!([
             {"steps": [{"gate": "model", "text": "too late"}]},
@@ -190,7 +237,7 @@ async fn a_cancel_during_a_model_call_stops_it_within_100_ms_and_ends_the_turn()
         ]),
         &[],
     );
-    stack.start_worker();
+    start(&mut stack);
     let sessions = stack.sessions(AGENT);
     sessions.start_session("s1", "think long").await.unwrap();
     stack.gate("model").wait_until_reached().await;
@@ -228,7 +275,7 @@ async fn a_cancel_during_parallel_tool_calls_stops_them_and_records_them_cancell
         ]),
         &[("gate", ToolEffect::Read, None)],
     );
-    stack.start_worker();
+    start(&mut stack);
     let sessions = stack.sessions(AGENT);
     sessions.start_session("s1", "read both").await.unwrap();
     stack.gate("a").wait_until_reached().await;
@@ -268,7 +315,7 @@ async fn a_cancel_during_an_approval_wait_runs_nothing_and_clears_the_approval()
         ]),
         &[("log", ToolEffect::NonIdempotentWrite, None)],
     );
-    stack.start_worker();
+    start(&mut stack);
     let sessions = stack.sessions(AGENT);
     sessions.start_session("s1", "pay").await.unwrap();
     let interrupt = wait_for_agent_snapshot(&sessions, "s1", "the approval", |s| {
@@ -308,7 +355,7 @@ async fn a_cancel_with_a_single_attempt_write_in_flight_records_its_outcome_unkn
         ]),
         &[("gate", ToolEffect::NonIdempotentWrite, Some(false))],
     );
-    stack.start_worker();
+    start(&mut stack);
     let sessions = stack.sessions(AGENT);
     sessions.start_session("s1", "write").await.unwrap();
     stack.gate("w").wait_until_reached().await;
@@ -337,7 +384,7 @@ async fn a_steering_message_starts_the_next_turn_and_no_message_is_lost() {
         ]),
         &[],
     );
-    stack.start_worker();
+    start(&mut stack);
     let sessions = stack.sessions(AGENT);
     sessions.start_session("s1", "go").await.unwrap();
     stack.gate("model").wait_until_reached().await;
@@ -393,7 +440,7 @@ async fn steers_gather_on_a_pending_cancel_up_to_a_cap_and_none_is_lost() {
         ]),
         &[],
     );
-    let first = stack.start_worker();
+    let first = start(&mut stack);
     let sessions = stack.sessions(AGENT);
     sessions.start_session("s1", "go").await.unwrap();
     stack.gate("model").wait_until_reached().await;
@@ -428,7 +475,7 @@ async fn steers_gather_on_a_pending_cancel_up_to_a_cap_and_none_is_lost() {
         ),
         "{refused:?}"
     );
-    stack.start_worker();
+    start(&mut stack);
     let snapshot = wait_for_turns(&sessions, "s1", 1 + cap as u64).await;
     let users = texts_of(&snapshot, MessageRole::User);
     let expected: Vec<String> = (0..cap).map(|n| format!("steer {n}")).collect();
@@ -461,7 +508,7 @@ macro_rules! backends {
 
 backends!(
     a_cancel_during_a_model_call_that_sleeps_30_s_stops_it_and_ends_the_turn,
-    a_cancel_during_a_model_call_stops_it_within_100_ms_and_ends_the_turn,
+    a_cancel_during_a_model_call_stops_it_at_once_and_ends_the_turn,
     a_cancel_during_parallel_tool_calls_stops_them_and_records_them_cancelled,
     a_cancel_during_an_approval_wait_runs_nothing_and_clears_the_approval,
     a_cancel_with_a_single_attempt_write_in_flight_records_its_outcome_unknown,

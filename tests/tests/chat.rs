@@ -6,7 +6,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use dexa_tests::api_server::helpdesk_config;
-use dexa_tests::kit::dexa_binary;
+use dexa_tests::kit::{dexa_binary, dexa_session};
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::process::{Child, ChildStdin, ChildStdout, Command};
@@ -87,19 +87,8 @@ impl Terminal {
 }
 
 async fn session(config: &std::path::Path, args: &[&str]) -> (bool, String, String) {
-    let output = Command::new(dexa_binary())
-        .arg("session")
-        .args(args)
-        .arg("--config")
-        .arg(config)
-        .output()
-        .await
-        .unwrap();
-    (
-        output.status.success(),
-        String::from_utf8_lossy(&output.stdout).into_owned(),
-        String::from_utf8_lossy(&output.stderr).into_owned(),
-    )
+    let (code, out, err) = dexa_session(config, args).await;
+    (code == Some(0), out, err)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -189,11 +178,26 @@ async fn ctrl_c_in_chat_cancels_the_running_turn_and_at_the_prompt_leaves() {
     );
     let progress = dir.path().join("chat-stderr.txt");
     let mut terminal = Terminal::start(&config, std::fs::File::create(&progress).unwrap());
-    terminal.expect("you> ").await;
+    let opened = terminal.expect("you> ").await;
+    let id = opened
+        .split_whitespace()
+        .find(|word| word.starts_with("chat-helpdesk-"))
+        .expect("the session's id")
+        .to_string();
     terminal.type_line("think for a long time").await;
-    // The turn runs (its model call sleeps 30 s; chat follows it); Ctrl-C
-    // cancels it.
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Once the turn runs (its model call sleeps 30 s; chat follows it),
+    // Ctrl-C cancels it.
+    let mut running = false;
+    for _ in 0..600 {
+        let (_, shown, _) = dexa_session(&config, &["show", &id, "--json"]).await;
+        let shown: Value = serde_json::from_str(&shown).unwrap_or(Value::Null);
+        if shown["state"]["active_turn_id"].is_string() {
+            running = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(running, "the turn started");
     terminal.interrupt();
     terminal.expect("[cancelling the turn]").await;
     terminal.expect("[the turn was cancelled]").await;

@@ -22,7 +22,7 @@ const SAMPLES: usize = 21;
 
 /// A median gap this long would mean a poll, not a push (a 50 ms poll gives
 /// about 50 ms here).
-const PUSHED_MEDIAN: Duration = Duration::from_millis(30);
+const PUSHED_MEDIAN: Duration = Duration::from_millis(40);
 
 fn event(n: usize) -> serde_json::Value {
     json!({
