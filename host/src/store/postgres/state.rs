@@ -156,23 +156,27 @@ pub(super) async fn read_map<C: GenericClient>(
     } else {
         query_spec.limit as i64
     };
-    // Keys compare bytewise (the column's collation), as in SQLite.
+    // Keys compare bytewise (the column's collation), as in SQLite. Only
+    // the bounds given are in the statement, so that a generic plan still
+    // seeks the index to them.
+    let mut bounds = String::new();
+    let mut values: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = vec![&flow_id, &name, &limit];
+    if let Some(after) = &query_spec.after {
+        values.push(after);
+        bounds.push_str(&format!(" AND key > ${}", values.len()));
+    }
+    if let Some(before) = &query_spec.before {
+        values.push(before);
+        bounds.push_str(&format!(" AND key < ${}", values.len()));
+    }
     let rows = query(
         client,
         &format!(
             "SELECT key, value, version FROM attributes
-             WHERE flow_id = $1 AND name = $2
-               AND ($3::text IS NULL OR key > $3)
-               AND ($4::text IS NULL OR key < $4)
-             ORDER BY key {order} LIMIT $5"
+             WHERE flow_id = $1 AND name = $2{bounds}
+             ORDER BY key {order} LIMIT $3"
         ),
-        &[
-            &flow_id,
-            &name,
-            &query_spec.after,
-            &query_spec.before,
-            &limit,
-        ],
+        &values,
     )
     .await?;
     let mut entries = Vec::with_capacity(rows.len());

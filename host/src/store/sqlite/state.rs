@@ -171,22 +171,32 @@ pub(super) fn read_map(
     } else {
         query.limit as i64
     };
+    // Only the bounds given are in the statement: `(?3 IS NULL OR key > ?3)`
+    // would keep SQLite from seeking the index to the bound, and a page at
+    // the end of a 10,000-message history would scan all of it.
+    let mut bounds = String::new();
+    let mut values: Vec<&dyn rusqlite::ToSql> = vec![&flow_id, &name, &limit];
+    if let Some(after) = &query.after {
+        values.push(after);
+        bounds.push_str(&format!(" AND key > ?{}", values.len()));
+    }
+    if let Some(before) = &query.before {
+        values.push(before);
+        bounds.push_str(&format!(" AND key < ?{}", values.len()));
+    }
     let mut stmt = conn.prepare_cached(&format!(
         "SELECT key, value, version FROM attributes
-         WHERE flow_id = ?1 AND name = ?2 AND (?3 IS NULL OR key > ?3) AND (?4 IS NULL OR key < ?4)
-         ORDER BY key {order} LIMIT ?5"
+         WHERE flow_id = ?1 AND name = ?2{bounds}
+         ORDER BY key {order} LIMIT ?3"
     ))?;
     let rows = stmt
-        .query_map(
-            params![flow_id, name, query.after, query.before, limit],
-            |row| {
-                Ok((
-                    row.get::<_, String>(0)?,
-                    row.get::<_, String>(1)?,
-                    row.get::<_, i64>(2)?,
-                ))
-            },
-        )?
+        .query_map(values.as_slice(), |row| {
+            Ok((
+                row.get::<_, String>(0)?,
+                row.get::<_, String>(1)?,
+                row.get::<_, i64>(2)?,
+            ))
+        })?
         .collect::<Result<Vec<_>, _>>()?;
     rows.into_iter()
         .map(|(key, value, version)| {
