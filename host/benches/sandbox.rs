@@ -12,9 +12,12 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, BatchSize, Criterion};
-use dexa::plugin::wit::{AgentMessage, DeferredToolExecution, MessageRole, TurnContext};
+use std::sync::Arc;
+
+use dexa::plugin::wit::{AgentMessage, DeferredToolExecution, MessageRole};
 use dexa::plugin::{
-    ComponentSettings, RunnerComponent, SandboxConfig, SandboxEngine, ToolComponent,
+    ComponentSettings, HistorySource, MemoryHistory, RunnerComponent, SandboxConfig, SandboxEngine,
+    ToolComponent, TurnInput,
 };
 
 mod common;
@@ -35,7 +38,9 @@ fn echo_call() -> DeferredToolExecution {
     common::tool_call("echo", r#"{"q":"hello"}"#)
 }
 
-fn turn_of_50_messages() -> TurnContext {
+/// A 50-message history; the runner reads its window (all 50) through the
+/// history handle.
+fn history_of_50_messages() -> Arc<dyn HistorySource> {
     let messages = (1..=50u64)
         .map(|n| AgentMessage {
             sequence: n,
@@ -51,15 +56,7 @@ fn turn_of_50_messages() -> TurnContext {
             text: Some(format!("message number {n} of the conversation")),
         })
         .collect();
-    TurnContext {
-        flow_id: "bench".into(),
-        turn_id: "turn-25".into(),
-        attempt: 1,
-        messages,
-        framework_run_state: None,
-        tool_calls: Vec::new(),
-        tools: Vec::new(),
-    }
+    MemoryHistory::shared(messages)
 }
 
 struct Fixture {
@@ -68,7 +65,7 @@ struct Fixture {
     tool: ToolComponent,
     runner: RunnerComponent,
     call: DeferredToolExecution,
-    turn: TurnContext,
+    history: Arc<dyn HistorySource>,
 }
 
 impl Fixture {
@@ -102,7 +99,7 @@ impl Fixture {
             tool,
             runner,
             call: echo_call(),
-            turn: turn_of_50_messages(),
+            history: history_of_50_messages(),
         }
     }
 
@@ -124,7 +121,20 @@ impl Fixture {
 
     /// The turn is built by the caller (the session builds one per call), so
     /// its copy is not part of the measured call.
-    fn run_model_step_once(&self, turn: TurnContext) {
+    fn turn(&self) -> TurnInput {
+        TurnInput {
+            flow_id: "bench".into(),
+            turn_id: "turn-25".into(),
+            attempt: 1,
+            history: self.history.clone(),
+            compaction: None,
+            framework_run_state: None,
+            tool_calls: Vec::new(),
+            tools: Vec::new(),
+        }
+    }
+
+    fn run_model_step_once(&self, turn: TurnInput) {
         let outcome = self
             .rt
             .block_on(self.runner.run_model_step(common::env(), turn))
@@ -140,7 +150,7 @@ fn bench_sandbox(c: &mut Criterion) {
     group.bench_function("tool/echo", |b| b.iter(|| fixture.echo_once()));
     group.bench_function("runner/run-model-step-50", |b| {
         b.iter_batched(
-            || fixture.turn.clone(),
+            || fixture.turn(),
             |turn| fixture.run_model_step_once(turn),
             BatchSize::SmallInput,
         )
@@ -154,7 +164,7 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
 }
 
 /// A case gets a fresh copy of the turn, made before its timer starts.
-type BenchCase<'a> = &'a dyn Fn(&Fixture, TurnContext);
+type BenchCase<'a> = &'a dyn Fn(&Fixture, TurnInput);
 
 /// Times each call on its own and prints p50/p99 and throughput.
 fn report_percentiles(samples: usize) {
@@ -168,12 +178,12 @@ fn report_percentiles(samples: usize) {
     ];
     for (name, run) in cases {
         for _ in 0..samples.min(200) {
-            run(&fixture, fixture.turn.clone());
+            run(&fixture, fixture.turn());
         }
         let mut times = Vec::with_capacity(samples);
         let mut total = Duration::ZERO;
         for _ in 0..samples {
-            let turn = fixture.turn.clone();
+            let turn = fixture.turn();
             let t = Instant::now();
             run(&fixture, turn);
             let took = t.elapsed();

@@ -41,7 +41,7 @@ fn record(digest: &str, added_by: &str) -> ComponentRecord {
     ComponentRecord {
         digest: digest.to_string(),
         world: "runner".into(),
-        wit_package: "dex:agents@0.1.0".into(),
+        wit_package: "dex:agents@0.2.0".into(),
         tools: Vec::new(),
         size: 3,
         added_at: 0,

@@ -192,7 +192,7 @@ fn dexa_component_inspect_lists_tools_with_their_effects() {
         .and_then(|tools| tools.iter().find(|t| t["name"] == "echo"))
         .unwrap_or_else(|| panic!("no echo tool in {described}"));
     assert_eq!(echo["effect"], "read");
-    assert_eq!(described["world"], "dex:agents/tool@0.1.0");
+    assert_eq!(described["world"], "dex:agents/tool@0.2.0");
     // A Rust guest exports its world and nothing else.
     assert_eq!(described["extra_exports"], serde_json::json!([]));
 }

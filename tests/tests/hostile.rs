@@ -162,8 +162,25 @@ async fn each_runner_attack_fails_its_turn_by_the_spec_route_and_the_session_goe
             "tool call id \"c1\" is not unique within the turn",
         ),
         ("slash-ids", "tool call id \"a/b\" contains '/'"),
+        (
+            "history-flood",
+            "history.read was called more than 1000 times in one call",
+        ),
+        (
+            "compact-past-end",
+            "compacts through message 18446744073709551615, but the history has messages 1 to 1",
+        ),
+        ("compact-loop", "a turn may compact once"),
     ];
     assert_runner_attacks_fail_their_turns(&sessions, &failing).await;
+
+    // Ranges past both ends, inverted, with limits 0 and u32::MAX: clamped,
+    // never an error.
+    let end = first_turn(&sessions, "history-range", "history-range").await;
+    assert_eq!(
+        end.text,
+        "history-range: length 1, oldest-first 1 (first Some(1)), inverted 0, past the end 0"
+    );
 
     // 10 MB of deltas against a 64 KiB budget: the rest is dropped, the
     // turn completes, and the stream holds at most the budget.

@@ -280,6 +280,10 @@ async fn each_python_runner_attack_fails_its_turn_by_the_spec_route_and_the_sess
             "big-run-state",
             "framework run state is 4194304 bytes, over the limit of 1048576 bytes",
         ),
+        (
+            "history-flood",
+            "history.read was called more than 1000 times in one call",
+        ),
     ];
     assert_runner_attacks_fail_their_turns(&sessions, &failing).await;
     // The endless loop alone, so that it starves no other attack, on the

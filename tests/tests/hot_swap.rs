@@ -534,7 +534,7 @@ async fn refused_activations_name_the_digest_and_the_reason_and_leave_the_active
         (
             vec!["--runner".to_string(), gate_tool.display().to_string()],
             built("gate-tool"),
-            "does not implement world `dex:agents/runner@0.1.0`",
+            "does not implement world `dex:agents/runner@0.2.0`",
         ),
         (
             vec![

@@ -6,8 +6,9 @@
 //! `cargo build -p dexa && cargo test -p dexa-tests --test scripted_model -- --nocapture`;
 //! against another binary, set `DEXA_BIN`.
 
-use dexa::plugin::wit::{AgentMessage, MessageRole, TurnContext, TurnOutcome};
+use dexa::plugin::wit::{AgentMessage, MessageRole, TurnOutcome};
 use dexa::plugin::{CallEnv, ComponentSettings, ScriptedModelProvider};
+use dexa::plugin::{MemoryHistory, TurnInput};
 use dexa_tests::hostile::next_turn;
 use dexa_tests::kit::{wait_for_turns, AgentTestStack};
 use dexa_tests::measure::peak_rss_mib;
@@ -18,19 +19,20 @@ use std::sync::Arc;
 const MIB: usize = 1 << 20;
 
 /// hostile-runner's turn whose user message is `attack`.
-fn attack_turn(turn_id: &str, attack: &str) -> TurnContext {
-    TurnContext {
+fn attack_turn(turn_id: &str, attack: &str) -> TurnInput {
+    TurnInput {
         flow_id: "flow-1".to_string(),
         turn_id: turn_id.to_string(),
         attempt: 1,
-        messages: vec![AgentMessage {
+        history: MemoryHistory::shared(vec![AgentMessage {
             sequence: 1,
             turn_id: turn_id.to_string(),
             role: MessageRole::User,
             // hostile-runner reads its attack from the framework item.
             framework_item: attack.to_string(),
             text: Some(attack.to_string()),
-        }],
+        }]),
+        compaction: None,
         framework_run_state: None,
         tool_calls: Vec::new(),
         tools: Vec::new(),

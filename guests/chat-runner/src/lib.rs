@@ -5,15 +5,27 @@
 //! sends their outcomes back to the model. An answer without tool calls ends
 //! the turn.
 //!
-//! Config keys: `system_prompt`, `temperature`, `max_output_tokens`.
+//! Config keys: `system_prompt`, `temperature`, `max_output_tokens`,
+//! `compact_after` (default 100; `0` turns compaction off) and
+//! `compact_keep` (default 20).
+//!
+//! The prompt is the newest compaction's summary, if any, and the messages
+//! after it, read from the host's history a page at a time. When a turn
+//! begins with more than `compact_after` messages after the summary, the
+//! turn's first model call writes a new summary instead (the model
+//! summarizes the old summary and every message but the newest
+//! `compact_keep`), and the host calls the runner again with it. So the
+//! prompt stays bounded however long the session lives, and the full
+//! history stays stored.
 //!
 //! Each stored message's `framework_item` is the model message as JSON, so
 //! later turns replay the conversation to the model exactly, tool calls
 //! included.
 
 use dex::agents::types::{
-    AgentMessage, DeferredToolCall, MessageRole, ModelMessage, ModelRequest, ModelToolCall,
-    ToolCallRecord, ToolCallsRequested, TurnCompleted, Usage,
+    AgentMessage, DeferredToolCall, History, HistoryCompacted, HistoryOrder, MessageRole,
+    ModelMessage, ModelRequest, ModelToolCall, ToolCallRecord, ToolCallsRequested,
+    TurnCompleted, Usage,
 };
 use dex::agents::{config, model, policy};
 use serde::{Deserialize, Serialize};
@@ -115,6 +127,142 @@ fn outcome_item(record: &ToolCallRecord) -> Item {
     }
 }
 
+/// The most messages one history page holds.
+const PAGE: u32 = 500;
+
+/// Messages `first..=last`, oldest first, a page at a time.
+fn read_range(history: &History, first: u64, last: u64) -> Vec<AgentMessage> {
+    let mut out = Vec::new();
+    let mut next = first.max(1);
+    while next <= last {
+        let page = history.read(next, last, HistoryOrder::OldestFirst, PAGE);
+        let Some(newest) = page.last().map(|m| m.sequence) else {
+            break;
+        };
+        out.extend(page);
+        next = newest + 1;
+    }
+    out
+}
+
+fn config_number(key: &str, default: u64) -> u64 {
+    config::get(key)
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(default)
+}
+
+fn system(text: String) -> ModelMessage {
+    ModelMessage {
+        role: MessageRole::System,
+        content: Some(text),
+        tool_calls: Vec::new(),
+        tool_call_id: None,
+    }
+}
+
+/// Messages `first..=last` as a transcript the model can summarize: plain
+/// lines, so that no tool call is left without its result.
+fn transcript(messages: &[AgentMessage]) -> String {
+    let mut text = String::new();
+    for message in messages {
+        let item = stored_item(message);
+        text.push_str(&item.role);
+        text.push_str(": ");
+        text.push_str(item.content.as_deref().unwrap_or(""));
+        for call in &item.tool_calls {
+            text.push_str(&format!(" [calls {}({})]", call.name, call.arguments));
+        }
+        text.push('\n');
+    }
+    text
+}
+
+/// The turn's first model call, when the messages after the newest summary
+/// are more than `compact_after`: summarize all but the newest
+/// `compact_keep` instead of answering.
+fn compaction(turn: &TurnContext) -> Result<Option<TurnOutcome>, String> {
+    let after = config_number("compact_after", 100);
+    if after == 0 || turn.framework_run_state.is_some() {
+        return Ok(None);
+    }
+    let keep = config_number("compact_keep", 20).max(1);
+    let length = turn.history.length();
+    let since = turn.compaction.as_ref().map_or(0, |c| c.through_sequence);
+    if turn.compaction.as_ref().is_some_and(|c| c.turn_id == turn.turn_id)
+        || length.saturating_sub(since) <= after
+        || length <= since + keep
+    {
+        return Ok(None);
+    }
+    let through = length - keep;
+    let mut prompt = String::from(
+        "Summarize the conversation below for your own later use. Keep facts, decisions, \
+         names, numbers, open tasks and what each tool did. Reply with the summary only.\n\n",
+    );
+    if let Some(earlier) = &turn.compaction {
+        prompt.push_str("Summary of the conversation before it:\n");
+        prompt.push_str(earlier.summary.text.as_deref().unwrap_or(""));
+        prompt.push_str("\n\n");
+    }
+    prompt.push_str(&transcript(&read_range(&turn.history, since + 1, through)));
+    let request = ModelRequest {
+        messages: vec![ModelMessage {
+            role: MessageRole::User,
+            content: Some(prompt),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+        }],
+        tools: Vec::new(),
+        temperature: None,
+        max_output_tokens: config::get("max_output_tokens").and_then(|t| t.parse().ok()),
+    };
+    let response = model::complete(&request)
+        .map_err(|err| format!("the summarizing model call failed: {err:?}"))?;
+    let text = format!(
+        "Summary of the conversation through message {through}:\n{}",
+        response.message.content.unwrap_or_default()
+    );
+    let summary = Item {
+        role: "system".to_string(),
+        content: Some(text),
+        tool_calls: Vec::new(),
+        tool_call_id: None,
+    };
+    Ok(Some(TurnOutcome::Compacted(HistoryCompacted {
+        through_sequence: through,
+        summary: framework_message(&summary)?,
+        usage: response.usage,
+    })))
+}
+
+/// The conversation the model sees: the newest summary, then every message
+/// after it. A leading tool result whose call was summarized is dropped.
+fn conversation(turn: &TurnContext) -> Vec<ModelMessage> {
+    let mut messages = Vec::new();
+    let since = match &turn.compaction {
+        Some(compaction) => {
+            messages.push(system(
+                compaction
+                    .summary
+                    .text
+                    .clone()
+                    .unwrap_or_else(|| compaction.summary.framework_item.clone()),
+            ));
+            compaction.through_sequence
+        }
+        None => 0,
+    };
+    let stored = read_range(&turn.history, since + 1, turn.history.length());
+    messages.extend(
+        stored
+            .iter()
+            .map(stored_item)
+            .skip_while(|item| item.role == "tool")
+            .map(|item| to_model(&item)),
+    );
+    messages
+}
+
 impl Guest for ChatRunner {
     fn build_user_message(text: String) -> FrameworkMessage {
         let item = Item {
@@ -145,16 +293,14 @@ impl Guest for ChatRunner {
             state.items.push(outcome_item(record));
         }
 
+        if let Some(compacted) = compaction(&turn)? {
+            return Ok(compacted);
+        }
         let mut messages = Vec::new();
         if let Some(prompt) = config::get("system_prompt").filter(|p| !p.trim().is_empty()) {
-            messages.push(ModelMessage {
-                role: MessageRole::System,
-                content: Some(prompt),
-                tool_calls: Vec::new(),
-                tool_call_id: None,
-            });
+            messages.push(system(prompt));
         }
-        messages.extend(turn.messages.iter().map(|m| to_model(&stored_item(m))));
+        messages.extend(conversation(&turn));
         messages.extend(state.items.iter().map(to_model));
         let request = ModelRequest {
             messages,

@@ -9,7 +9,7 @@
 // - `js_event_flood`: writes 13 MB of events, far over its budget;
 // - `js_trap`: throws an Error that nothing catches.
 
-import { writeEvent } from "dex:agents/events@0.1.0";
+import { writeEvent } from "dex:agents/events@0.2.0";
 
 const TOOLS = ["js_spin", "js_memory_bomb", "js_recurse", "js_big_output", "js_event_flood", "js_trap"];
 

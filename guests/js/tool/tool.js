@@ -19,9 +19,9 @@
 //
 // Every call runs in a fresh instance: nothing here survives between calls.
 
-import { get } from "dex:agents/config@0.1.0";
-import { writeEvent } from "dex:agents/events@0.1.0";
-import { heartbeat } from "dex:agents/step@0.1.0";
+import { get } from "dex:agents/config@0.2.0";
+import { writeEvent } from "dex:agents/events@0.2.0";
+import { heartbeat } from "dex:agents/step@0.2.0";
 
 const LANGUAGE = "javascript";
 const OBJECT_SCHEMA = '{"type":"object"}';

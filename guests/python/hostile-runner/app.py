@@ -36,12 +36,18 @@ class WitWorld(wit_world.WitWorld):
         return types.FrameworkMessage(types.MessageRole.USER, text, text)
 
     def run_model_step(self, turn: types.TurnContext) -> types.TurnOutcome:
-        users = [m for m in turn.messages if m.role == types.MessageRole.USER]
+        length = turn.history.length()
+        newest = turn.history.read(1, length, types.HistoryOrder.NEWEST_FIRST, 16)
+        users = [m for m in reversed(newest) if m.role == types.MessageRole.USER]
         attack = users[-1].framework_item if users else ""
         if attack == "spin":
             n = 0
             while True:
                 n += 1
+        if attack == "history-flood":
+            read = 0
+            while True:
+                read += len(turn.history.read(0, 2**64 - 1, types.HistoryOrder.OLDEST_FIRST, 2**32 - 1))
         if attack == "memory-bomb":
             hoard = []
             while True:

@@ -7,7 +7,15 @@
   Step on the host; the next step sends their outcomes back to the model;
 - an answer without tool calls ends the turn.
 
-Config keys: `system_prompt`, `temperature`, `max_output_tokens`.
+Config keys: `system_prompt`, `temperature`, `max_output_tokens`,
+`compact_after` (default 100; `0` turns compaction off) and `compact_keep`
+(default 20).
+
+The prompt is the newest compaction's summary, if any, and the messages after
+it, read from the host's history a page at a time. When a turn begins with
+more than `compact_after` messages after the summary, its first model call
+summarizes all but the newest `compact_keep` instead, and the host calls the
+runner again with that compaction, as `chat-runner` does.
 
 Each stored message's `framework_item` is the model message as JSON, so later
 turns replay the conversation exactly, tool calls included. What the runner
@@ -90,6 +98,99 @@ def describe_model_error(error) -> str:
     return f"{case}: {detail}" if detail else case
 
 
+PAGE = 500
+
+
+def read_range(history, first: int, last: int) -> List[types.AgentMessage]:
+    """Messages `first..=last`, oldest first, a page at a time."""
+    out: List[types.AgentMessage] = []
+    following = max(first, 1)
+    while following <= last:
+        page = history.read(following, last, types.HistoryOrder.OLDEST_FIRST, PAGE)
+        if not page:
+            break
+        out.extend(page)
+        following = page[-1].sequence + 1
+    return out
+
+
+def config_number(key: str, default: int) -> int:
+    value = optional_number(key, int)
+    return default if value is None else value
+
+
+def transcript(messages: List[types.AgentMessage]) -> str:
+    """Plain lines the model can summarize: no tool call without its result."""
+    lines = []
+    for message in messages:
+        it = stored_item(message)
+        line = f"{it['role']}: {it.get('content') or ''}"
+        for call in it.get("tool_calls") or []:
+            line += f" [calls {call['name']}({call['arguments']})]"
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def compaction(turn: types.TurnContext) -> Optional[types.TurnOutcome]:
+    """The turn's first model call summarizes the history when more than
+    `compact_after` messages follow the newest summary."""
+    after = config_number("compact_after", 100)
+    if after <= 0 or turn.framework_run_state is not None:
+        return None
+    keep = max(config_number("compact_keep", 20), 1)
+    length = turn.history.length()
+    earlier = turn.compaction
+    since = earlier.through_sequence if earlier is not None else 0
+    if earlier is not None and earlier.turn_id == turn.turn_id:
+        return None
+    if length - since <= after or length <= since + keep:
+        return None
+    through = length - keep
+    prompt = (
+        "Summarize the conversation below for your own later use. Keep facts, "
+        "decisions, names, numbers, open tasks and what each tool did. Reply with "
+        "the summary only.\n\n"
+    )
+    if earlier is not None:
+        prompt += f"Summary of the conversation before it:\n{earlier.summary.text or ''}\n\n"
+    prompt += transcript(read_range(turn.history, since + 1, through))
+    request = types.ModelRequest(
+        [types.ModelMessage(types.MessageRole.USER, prompt, [], None)],
+        [],
+        None,
+        optional_number("max_output_tokens", int),
+    )
+    try:
+        response = model.complete(request)
+    except Err as err:
+        raise Err(f"the summarizing model call failed: {describe_model_error(err.value)}")
+    text = (
+        f"Summary of the conversation through message {through}:\n"
+        f"{response.message.content or ''}"
+    )
+    summary = framework_message(item("system", text))
+    return types.TurnOutcome_Compacted(
+        types.HistoryCompacted(through, summary, response.usage)
+    )
+
+
+def conversation(turn: types.TurnContext) -> List[types.ModelMessage]:
+    """The newest summary, then every message after it; a leading tool result
+    whose call was summarized is dropped."""
+    messages: List[types.ModelMessage] = []
+    since = 0
+    if turn.compaction is not None:
+        summary = turn.compaction.summary
+        text = summary.text if summary.text is not None else summary.framework_item
+        messages.append(types.ModelMessage(types.MessageRole.SYSTEM, text, [], None))
+        since = turn.compaction.through_sequence
+    items = [stored_item(m) for m in read_range(turn.history, since + 1, turn.history.length())]
+    while items and items[0]["role"] == "tool":
+        items.pop(0)
+    messages.extend(to_model(it) for it in items)
+    return messages
+
+
 class WitWorld(wit_world.WitWorld):
     def build_user_message(self, text: str) -> types.FrameworkMessage:
         return framework_message(item("user", text))
@@ -112,11 +213,14 @@ class WitWorld(wit_world.WitWorld):
             state["items"].append(item("tool", outcome, tool_call_id=call_id))
         state["pending"] = []
 
+        compacted = compaction(turn)
+        if compacted is not None:
+            return compacted
         messages: List[types.ModelMessage] = []
         prompt = config.get("system_prompt")
         if prompt and prompt.strip():
             messages.append(types.ModelMessage(types.MessageRole.SYSTEM, prompt, [], None))
-        messages.extend(to_model(stored_item(m)) for m in turn.messages)
+        messages.extend(conversation(turn))
         messages.extend(to_model(it) for it in state["items"])
         request = types.ModelRequest(
             messages,

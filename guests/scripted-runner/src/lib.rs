@@ -19,6 +19,7 @@
 //! {"tool_calls": [{"id": "c1", "name": "echo", "arguments": {"x": 1}, "effect": "read"}]}
 //! {"text": "Let me look.", "tool_calls": [...]}   (streams the text first)
 //! {"model": true}
+//! {"compact": {"keep": 2, "summary": "text"}}
 //! ```
 //! and may also carry `"usage": {"input": 10, "output": 5}`,
 //! `"fail_attempts": N` (attempts 1..=N return an error),
@@ -39,13 +40,24 @@
 //! look for the `.passed` a stopped call never writes). Both need `/gates` granted. `effect` is the framework effect passed to `resolve-tool-policy`;
 //! a tool call's `"requires_approval"` overrides the policy it returned.
 //!
+//! A `compact` step returns `compacted` through the history's length minus
+//! `keep` (or through `"through": N`, to test the host's checks); the host
+//! then runs the step again with that compaction in its context, and the
+//! runner moves on to the next step.
+//!
+//! Every step reads the newest `history_window` messages (config, default
+//! 50) after the newest compaction from the host's history, a page at a
+//! time: the user's text comes from them, and a `model` step sends them
+//! (after the summary) to the model.
+//!
 //! The config key `user_role` makes `build-user-message` use another role, to
 //! test the host's check that it is `user`; `refuse_notes` makes it trap on
 //! the host's turn-failure note.
 
 use dex::agents::types::{
-    AgentMessage, DeferredToolCall, MessageRole, ModelMessage, ModelRequest, ModelToolCall,
-    ToolCallRecord, ToolCallStatus, ToolCallsRequested, ToolEffect, TurnCompleted, Usage,
+    AgentMessage, DeferredToolCall, History, HistoryCompacted, HistoryOrder, MessageRole,
+    ModelMessage, ModelRequest, ModelToolCall, ToolCallRecord, ToolCallStatus,
+    ToolCallsRequested, ToolEffect, TurnCompleted, Usage,
 };
 use dex::agents::{config, events, model, policy, step};
 use serde::{Deserialize, Serialize};
@@ -96,6 +108,20 @@ struct StepScript {
     /// Custom events to write, in order.
     #[serde(default)]
     events: Vec<ScriptedEvent>,
+    /// Summarize the history instead of answering.
+    compact: Option<ScriptedCompaction>,
+}
+
+/// A `compact` step.
+#[derive(Deserialize, Clone, Default)]
+struct ScriptedCompaction {
+    /// How many of the newest messages stay after the summary.
+    #[serde(default)]
+    keep: u64,
+    /// Compacts through this sequence instead (to test the host's checks).
+    through: Option<u64>,
+    #[serde(default)]
+    summary: String,
 }
 
 /// A custom event (`events.write-event`) a step writes.
@@ -164,6 +190,53 @@ fn turn_number(turn_id: &str) -> Result<usize, String> {
         .and_then(|n| n.parse::<usize>().ok())
         .filter(|n| *n >= 1)
         .ok_or_else(|| format!("turn id {turn_id:?} is not turn-<n>"))
+}
+
+/// The newest `history_window` messages after the newest compaction,
+/// oldest first, read a page at a time.
+fn window(turn: &TurnContext) -> Vec<AgentMessage> {
+    let size = config::get("history_window")
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .unwrap_or(50);
+    let length = turn.history.length();
+    let since = turn.compaction.as_ref().map_or(0, |c| c.through_sequence);
+    let first = (since + 1).max(length.saturating_sub(size) + 1);
+    read_range(&turn.history, first, length)
+}
+
+/// Messages `first..=last`, oldest first.
+fn read_range(history: &History, first: u64, last: u64) -> Vec<AgentMessage> {
+    let mut out = Vec::new();
+    let mut next = first.max(1);
+    while next <= last {
+        let page = history.read(next, last, HistoryOrder::OldestFirst, 500);
+        let Some(newest) = page.last().map(|m| m.sequence) else {
+            break;
+        };
+        out.extend(page);
+        next = newest + 1;
+    }
+    out
+}
+
+fn compacted(turn: &TurnContext, compact: &ScriptedCompaction) -> TurnOutcome {
+    let length = turn.history.length();
+    let through = compact
+        .through
+        .unwrap_or_else(|| length.saturating_sub(compact.keep));
+    TurnOutcome::Compacted(HistoryCompacted {
+        through_sequence: through,
+        summary: FrameworkMessage {
+            role: MessageRole::System,
+            framework_item: json!({"type": "summary", "text": compact.summary}).to_string(),
+            text: Some(compact.summary.clone()),
+        },
+        usage: Usage {
+            input_tokens: 0,
+            output_tokens: 0,
+            total_tokens: 0,
+        },
+    })
 }
 
 fn last_user_text(messages: &[AgentMessage]) -> String {
@@ -237,16 +310,26 @@ fn record_item(record: &ToolCallRecord) -> Value {
 
 /// Calls the host's model with the conversation so far and turns its answer
 /// into an outcome.
-fn model_step(turn: &TurnContext, mut state: RunState, twice: bool) -> Result<TurnOutcome, String> {
-    let mut messages: Vec<ModelMessage> = turn
-        .messages
-        .iter()
-        .map(|m| ModelMessage {
+fn model_step(
+    turn: &TurnContext,
+    window: &[AgentMessage],
+    mut state: RunState,
+    twice: bool,
+) -> Result<TurnOutcome, String> {
+    let summary = turn.compaction.as_ref().map(|c| ModelMessage {
+        role: MessageRole::System,
+        content: c.summary.text.clone(),
+        tool_calls: Vec::new(),
+        tool_call_id: None,
+    });
+    let mut messages: Vec<ModelMessage> = summary
+        .into_iter()
+        .chain(window.iter().map(|m| ModelMessage {
             role: m.role,
             content: m.text.clone(),
             tool_calls: Vec::new(),
             tool_call_id: None,
-        })
+        }))
         .collect();
     for item in &state.items {
         if item["type"] == "tool_result" {
@@ -414,14 +497,33 @@ impl Guest for ScriptedRunner {
             state.items.push(record_item(record));
         }
 
-        let script = turn_script(&turn.turn_id, &turn.messages)?;
-        let step_script = script
-            .steps
-            .get(state.step)
-            .or(script.steps.last())
-            .cloned()
-            .ok_or("the turn's script has no steps")?;
+        let window = window(&turn);
+        let script = turn_script(&turn.turn_id, &window)?;
+        let step_at = |index: usize| {
+            script
+                .steps
+                .get(index)
+                .or(script.steps.last())
+                .cloned()
+                .ok_or("the turn's script has no steps")
+        };
+        let mut step_script = step_at(state.step)?;
         state.step += 1;
+        // A compaction is returned once; when the host runs the step again
+        // with this turn's compaction, the script goes on.
+        let compacted_now = turn
+            .compaction
+            .as_ref()
+            .is_some_and(|c| c.turn_id == turn.turn_id);
+        if step_script.compact.is_some() && compacted_now && state.step < script.steps.len() {
+            step_script = step_at(state.step)?;
+            state.step += 1;
+        }
+        if let Some(compact) = &step_script.compact {
+            if !compacted_now {
+                return Ok(compacted(&turn, compact));
+            }
+        }
 
         if step_script.heartbeat {
             step::heartbeat();
@@ -468,7 +570,7 @@ impl Guest for ScriptedRunner {
             ));
         }
         if step_script.model {
-            return model_step(&turn, state, step_script.model_twice);
+            return model_step(&turn, &window, state, step_script.model_twice);
         }
         let usage = usage_of(&step_script);
         if let Some(calls) = &step_script.tool_calls {

@@ -136,8 +136,11 @@ impl From<SessionError> for ApiError {
                 "idempotency_key_reused",
                 err.to_string(),
             ),
-            SessionError::SteersPending { .. } => {
+            SessionError::SteersPending { .. } | SessionError::Busy { .. } => {
                 Self::new(StatusCode::CONFLICT, "busy", err.to_string())
+            }
+            SessionError::Invalid(_) => {
+                Self::new(StatusCode::BAD_REQUEST, "invalid_request", err.to_string())
             }
             SessionError::Flow(err) => err.into(),
             SessionError::Rpc(err) => err.into(),

@@ -44,7 +44,7 @@ pub struct ComponentRecord {
     pub digest: String,
     /// `runner` or `tool`.
     pub world: String,
-    /// The WIT package it implements (`dex:agents@0.1.0`).
+    /// The WIT package it implements (`dex:agents@0.2.0`).
     pub wit_package: String,
     /// For a tool component, the tools it serves.
     pub tools: Vec<CatalogTool>,

@@ -77,6 +77,13 @@ pub struct TurnBenchArgs {
     /// of send-and-wait clients.
     #[arg(long)]
     pub over_http: bool,
+    /// Also compare a turn on a session holding this many messages with one
+    /// on a fresh session (0: skip). The runner reads a 50-message window.
+    #[arg(long, default_value_t = 0)]
+    pub history: u64,
+    /// Turns on each session of the `--history` comparison.
+    #[arg(long, default_value_t = 50)]
+    pub history_turns: usize,
 }
 
 /// One backend's figures, for the side-by-side table.
@@ -424,6 +431,9 @@ async fn run_one(
         micros(percentile(&loaded, 0.99)),
         steal_since(ticks),
     );
+    if args.history > 0 {
+        super::bench_long::run(&bench, label, args.history, args.history_turns).await?;
+    }
     worker.abort();
     let sequential = (percentile(&latencies, 0.50), percentile(&latencies, 0.99));
     let http = if args.over_http {

@@ -2,6 +2,7 @@
 
 pub mod bench;
 pub mod bench_http;
+mod bench_long;
 pub mod bench_scale;
 pub mod bench_store;
 pub mod bench_swap;

@@ -1,4 +1,4 @@
-//! Host bindings generated from `wit/` (the `dex:agents@0.1.0` package).
+//! Host bindings generated from `wit/` (the `dex:agents@0.2.0` package).
 //!
 //! The runner world owns the shared interfaces; the tool world reuses them so
 //! that one host implementation serves both.
@@ -10,10 +10,13 @@ pub mod runner {
         world: "dex:agents/runner",
         imports: {
             "dex:agents/model.complete": async | trappable,
+            "dex:agents/types.[method]history.read": async | trappable,
             default: trappable,
         },
         exports: { default: async },
-        additional_derives: [PartialEq],
+        with: {
+            "dex:agents/types.history": crate::plugin::factors::history::History,
+        },
     });
 }
 

@@ -84,6 +84,7 @@ impl BoundaryBytes for TurnOutcome {
         match self {
             TurnOutcome::Completed(done) => done.new_messages.boundary_bytes(),
             TurnOutcome::ToolCallsRequested(request) => request.tool_calls.boundary_bytes(),
+            TurnOutcome::Compacted(compacted) => compacted.summary.boundary_bytes(),
         }
     }
 }

@@ -16,6 +16,7 @@ use super::engine::SandboxEngine;
 use super::error::CallError;
 use super::factors::config::ComponentConfig;
 use super::factors::events::{EventSink, EventWriter, NoEvents};
+use super::factors::history::HistoryBudget;
 use super::factors::http::{DeniedRequests, HttpState};
 use super::factors::model::{ModelProvider, ModelState};
 use super::factors::policy::{NoPolicies, SharedPolicyResolver, ToolPolicyResolver};
@@ -88,6 +89,7 @@ pub struct CallState {
     pub(crate) events: EventWriter,
     pub(crate) policy: SharedPolicyResolver,
     pub(crate) model: ModelState,
+    pub(crate) history: HistoryBudget,
     pub(crate) config: ComponentConfig,
 }
 
@@ -95,6 +97,11 @@ impl CallState {
     /// The resource table and the wasi:http state, borrowed together.
     pub(crate) fn table_and_http(&mut self) -> (&mut ResourceTable, &mut HttpState) {
         (&mut self.table, &mut self.http)
+    }
+
+    /// The call's resource table (host handles the guest holds).
+    pub(crate) fn table(&mut self) -> &mut ResourceTable {
+        &mut self.table
     }
 }
 
@@ -206,6 +213,7 @@ impl Call {
                 allowed: model_allowed,
                 called: false,
             },
+            history: HistoryBudget::default(),
             config: settings.config.clone(),
         };
         let mut store = Store::new(engine.engine(), state);

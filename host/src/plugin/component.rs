@@ -11,7 +11,7 @@ use wasmtime::component::{Component, HasSelf, Linker};
 use super::bindings::runner::{Runner, RunnerPre};
 use super::bindings::tool::{Tool, ToolPre};
 use super::bindings::wit::{
-    DeferredToolExecution, FrameworkMessage, ToolError, ToolSpec, TurnContext, TurnOutcome,
+    DeferredToolExecution, FrameworkMessage, ToolError, ToolSpec, TurnOutcome,
 };
 use super::boundary::run_state_bytes;
 use super::cache::{compile, sha256_hex, CacheOutcome};
@@ -19,6 +19,7 @@ use super::call::{with_deadline, Call, CallEnv, CallState};
 use super::engine::SandboxEngine;
 use super::error::{CallError, LoadError};
 use super::factors::config::ComponentConfig;
+use super::factors::history::{History, TurnInput};
 use super::factors::step::StepTag;
 use super::grants::Grants;
 use super::guest_pool;
@@ -70,8 +71,8 @@ pub enum World {
 impl World {
     pub fn name(self) -> &'static str {
         match self {
-            World::Runner => "dex:agents/runner@0.1.0",
-            World::Tool => "dex:agents/tool@0.1.0",
+            World::Runner => "dex:agents/runner@0.2.0",
+            World::Tool => "dex:agents/tool@0.2.0",
         }
     }
 
@@ -138,6 +139,7 @@ impl SandboxEngine {
             name: name.clone(),
             reason,
         })?;
+        super::wit_version::check_imports(self.engine(), &name, &component)?;
         let extra_exports = self.check_exports(world, &name, &component)?;
         if !extra_exports.is_empty() {
             tracing::debug!(component = %name, extra = ?extra_exports, "exports the host does not call");
@@ -415,16 +417,24 @@ impl RunnerComponent {
     }
 
     /// `run-model-step`. The only export that may call the model. Takes the
-    /// turn by value: a call may move to the guest pool, and a 50-message
-    /// turn costs more to copy than the call itself.
+    /// turn by value: a call may move to the guest pool. The history handle
+    /// is made in the call's own store.
     pub async fn run_model_step(
         &self,
         env: CallEnv,
-        turn: TurnContext,
+        turn: TurnInput,
     ) -> Result<Result<TurnOutcome, String>, CallError> {
         let this = self.callable.clone();
         guest_pool::run(self.callable.name(), async move {
             let mut call = this.begin(env, "run-model-step", true).await?;
+            let history = History::new(turn.history.clone());
+            let handle = call
+                .store
+                .data_mut()
+                .table()
+                .push(history)
+                .map_err(|err| this.instantiate_error(err.into()))?;
+            let turn = turn.into_context(handle);
             let runner = this.instantiate(&mut call).await?;
             let result = with_deadline(
                 call.deadline,

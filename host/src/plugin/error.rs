@@ -23,6 +23,16 @@ pub enum LoadError {
         missing: String,
         found: String,
     },
+    #[error(
+        "component `{name}` was built against dex:agents@{found}, but this host implements \
+         dex:agents@{wanted}: rebuild it against the wit/ of this release and activate the new \
+         build (docs/guest-authors.md, \"Upgrading a component to a new WIT version\")"
+    )]
+    WitVersion {
+        name: String,
+        found: String,
+        wanted: &'static str,
+    },
     #[error("component `{name}` cannot be linked as `{world}`: {reason}")]
     Link {
         name: String,

@@ -21,6 +21,7 @@ pub mod grant_paths;
 pub mod grants;
 mod guest_pool;
 mod limits;
+mod wit_version;
 
 pub use bindings::wit;
 pub use cache::CacheOutcome;
@@ -29,9 +30,11 @@ pub use component::{ComponentInfo, ComponentSettings, RunnerComponent, ToolCompo
 pub use engine::{SandboxConfig, SandboxEngine};
 pub use error::{CallError, LoadError};
 pub use factors::events::{EventSink, EventWriter, GuestEvent, TaggedEvent, EVENT_ENVELOPE_BYTES};
+pub use factors::history::{HistorySource, MemoryHistory, TurnInput};
 pub use factors::model::ModelProvider;
 pub use factors::policy::{NoPolicies, ToolPolicyResolver};
 pub use factors::scripted_model::{MessageSummary, RequestSummary, ScriptedModelProvider};
 pub use factors::step::{HeartbeatSink, StepTag};
 pub use grants::{DirAccess, DirGrant, Grants, HttpAuthority};
 pub use limits::ComponentLimits;
+pub use wit_version::{WIT_PACKAGE, WIT_VERSION};

@@ -30,7 +30,10 @@ fn corrupt(what: &str, err: serde_json::Error) -> RpcError {
 }
 
 /// Whether session `id` exists and runs: a cancel needs both.
-fn running(tx: &mut dyn StateTx, id: &str) -> Result<Result<(), SessionError>, RpcError> {
+pub(super) fn running(
+    tx: &mut dyn StateTx,
+    id: &str,
+) -> Result<Result<(), SessionError>, RpcError> {
     let Some(flow) = tx.flow()? else {
         return Ok(Err(SessionError::NoSuchSession(id.to_string())));
     };

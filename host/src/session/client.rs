@@ -39,6 +39,13 @@ pub enum SessionError {
          session {session_id:?}; nothing was queued, try again when it has ended"
     )]
     SteersPending { session_id: String, turn_id: String },
+    /// The session is in a turn, or has messages waiting for one; the
+    /// request needs it idle. Nothing was written.
+    #[error("session {session_id:?} is busy: {reason}; nothing was written")]
+    Busy { session_id: String, reason: String },
+    /// A request the session refuses as malformed. Nothing was written.
+    #[error("{0}; nothing was written")]
+    Invalid(String),
     #[error(transparent)]
     Flow(#[from] FlowError),
     #[error(transparent)]

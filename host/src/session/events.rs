@@ -39,7 +39,7 @@ pub fn session_event(tag: &StepTag, event_type: &str, data: Json) -> Json {
 
 /// Event types only the host writes; a guest's `write-event` may not use them,
 /// so that no component can fake the session's own record of what happened.
-const RESERVED: [&str; 13] = [
+const RESERVED: [&str; 14] = [
     event_type::TURN_STARTED,
     event_type::TURN_CANCEL_REQUESTED,
     event_type::TURN_CANCELLED,
@@ -53,6 +53,7 @@ const RESERVED: [&str; 13] = [
     event_type::INTERRUPT_RAISED,
     event_type::INTERRUPT_RESOLVED,
     event_type::USAGE_RECORDED,
+    event_type::HISTORY_COMPACTED,
 ];
 
 /// Whether an event fits the stream: one larger than the stream's capacity

@@ -14,6 +14,8 @@ mod client;
 mod components;
 mod events;
 mod flow;
+mod history;
+mod import;
 pub mod limits;
 mod options;
 pub mod policy;
@@ -28,6 +30,10 @@ pub use components::{AgentComponents, AgentConfigError, VersionError};
 pub use events::BACKGROUND_HEARTBEAT;
 pub use flow::{
     AgentSessionFlow, RUN_MODEL_HEARTBEAT_TIMEOUT, RUN_MODEL_TIMEOUT, RUN_MODEL_WINDOW,
+};
+pub use history::{check_compaction, AgentCompaction};
+pub use import::{
+    ImportedMessage, IMPORTED_TURN_ID, MAX_IMPORTED_MESSAGES, MAX_IMPORTED_MESSAGE_BYTES,
 };
 pub use limits::TurnLimits;
 pub use options::AgentSessionOptions;

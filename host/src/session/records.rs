@@ -18,6 +18,9 @@ pub const AGENT_TOOL_CALLS: &str = "AGENT_TOOL_CALLS";
 /// one Attribute; one key per interrupt lets parallel approval Steps each
 /// remove their own without overwriting the others.
 pub const PENDING_INTERRUPTS: &str = "PENDING_INTERRUPTS";
+/// AttributeMap: [`AgentCompaction`] by [`message_sequence_key`] of the
+/// sequence it summarizes through; the newest is the greatest key.
+pub const AGENT_COMPACTIONS: &str = "AGENT_COMPACTIONS";
 /// Attribute: the session's [`AgentUsage`].
 pub const AGENT_USAGE: &str = "AGENT_USAGE";
 /// Channel of [`AgentUserMessage`].
@@ -486,6 +489,8 @@ pub mod event_type {
     pub const USAGE_RECORDED: &str = "usage_recorded";
     /// A turn moved to another runner version (a forward fix).
     pub const VERSION_CHANGED: &str = "version_changed";
+    /// The runner summarized the history through a sequence.
+    pub const HISTORY_COMPACTED: &str = "history_compacted";
 }
 
 /// One event of the session's stream. Every event carries the turn, the Step

@@ -4,8 +4,8 @@
 use std::hint::black_box;
 
 use dex::agents::types::{
-    DeferredToolCall, MessageRole, ModelMessage, ModelRequest, ToolCallStatus, ToolCallsRequested,
-    ToolEffect, ToolPolicy, TurnCompleted, Usage,
+    DeferredToolCall, HistoryCompacted, HistoryOrder, MessageRole, ModelMessage, ModelRequest,
+    ToolCallStatus, ToolCallsRequested, ToolEffect, ToolPolicy, TurnCompleted, Usage,
 };
 use dex::agents::{events, model};
 
@@ -107,13 +107,66 @@ impl Guest for HostileRunner {
                 .collect();
             return completed(format!("after tools: {}", reports.join("; ")));
         }
+        let length = turn.history.length();
         let attack = turn
-            .messages
-            .iter()
-            .rev()
+            .history
+            .read(1, length, HistoryOrder::NewestFirst, 16)
+            .into_iter()
             .find(|m| m.role == MessageRole::User)
-            .map(|m| m.framework_item.clone())
+            .map(|m| m.framework_item)
             .unwrap_or_default();
+        // `history-flood` reads the whole history again and again: the host
+        // ends the call at its read budget.
+        if attack == "history-flood" {
+            let mut read = 0usize;
+            loop {
+                read += turn
+                    .history
+                    .read(0, u64::MAX, HistoryOrder::OldestFirst, u32::MAX)
+                    .len();
+                black_box(read);
+            }
+        }
+        // `history-range` asks for every sequence there could be, both ways.
+        if attack == "history-range" {
+            let oldest = turn
+                .history
+                .read(0, u64::MAX, HistoryOrder::OldestFirst, u32::MAX);
+            let newest = turn
+                .history
+                .read(u64::MAX, 0, HistoryOrder::NewestFirst, 0);
+            let empty = turn
+                .history
+                .read(length + 1, u64::MAX, HistoryOrder::NewestFirst, 10);
+            return completed(format!(
+                "history-range: length {length}, oldest-first {} (first {:?}), inverted {}, past \
+                 the end {}",
+                oldest.len(),
+                oldest.first().map(|m| m.sequence),
+                newest.len(),
+                empty.len()
+            ));
+        }
+        // `compact-past-end` and `compact-loop` try the host's compaction checks.
+        if attack == "compact-past-end" || (attack == "compact-loop" && length > 0) {
+            let through = if attack == "compact-past-end" {
+                u64::MAX
+            } else {
+                turn.compaction
+                    .as_ref()
+                    .map_or(1, |c| c.through_sequence + 1)
+                    .min(length)
+            };
+            return Ok(TurnOutcome::Compacted(HistoryCompacted {
+                through_sequence: through,
+                summary: FrameworkMessage {
+                    role: MessageRole::System,
+                    framework_item: "summary".to_string(),
+                    text: Some("summary".to_string()),
+                },
+                usage: usage(),
+            }));
+        }
         // `big-model-request N` sends the model one request of N MiB: the
         // host's provider must not keep it after answering.
         if let Some(mib) = attack.strip_prefix("big-model-request ") {

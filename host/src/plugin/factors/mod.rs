@@ -4,6 +4,7 @@
 
 pub mod config;
 pub mod events;
+pub mod history;
 pub mod http;
 pub mod model;
 pub mod policy;

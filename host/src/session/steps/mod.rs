@@ -5,7 +5,7 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -13,6 +13,7 @@ use serde_json::json;
 
 use super::components::{AgentComponents, PinnedRunner, ToolSet, VersionError};
 use super::events::{session_event, BackgroundHeartbeat, StepEvents, StepHeartbeats};
+use super::history::{check_compaction, newest_compaction_query, AgentCompaction, StoredHistory};
 use super::limits::{
     cut, output_share, ERROR_TEXT_BYTES, NOTE_ARGUMENTS_BYTES, NOTE_BYTES, NOTE_OUTCOME_BYTES,
 };
@@ -23,7 +24,8 @@ use crate::flow::{
     ChannelWait, Json, MapQuery, StateAnswer, StateQuery, StateWrite, StepCall, StepContext,
     StepError, StepResult, StoreMillis,
 };
-use crate::plugin::wit::{self, DeferredToolExecution, ToolError, TurnContext, TurnOutcome};
+use crate::plugin::wit::{self, DeferredToolExecution, ToolError, TurnOutcome};
+use crate::plugin::TurnInput;
 use crate::plugin::{CallEnv, RunnerComponent, StepTag, ToolComponent};
 
 mod cancel;

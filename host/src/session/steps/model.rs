@@ -36,12 +36,15 @@ pub fn check_tool_calls_requested(
 
 impl SessionSteps {
     pub async fn run_model(self: Arc<Self>, ctx: StepContext) -> Result<StepResult, StepError> {
+        let started = Instant::now();
         let components = self.components()?.clone();
         // Everything RunModel reads, in one round trip from one snapshot.
+        // The messages are not among it: the runner reads the pages it
+        // needs through the history handle.
         let mut answers = ctx
             .read_state(vec![
                 StateQuery::get(AGENT_STATE, ""),
-                StateQuery::map(AGENT_MESSAGES, MapQuery::default()),
+                newest_compaction_query(),
                 StateQuery::get(FRAMEWORK_RUN_STATE, ""),
                 StateQuery::map(AGENT_TOOL_CALLS, MapQuery::default()),
                 StateQuery::get(AGENT_USAGE, ""),
@@ -54,8 +57,8 @@ impl SessionSteps {
             .active_turn_id
             .clone()
             .ok_or_else(|| fatal("RunModel ran with no active turn"))?;
-        let messages: Vec<AgentMessage> = entries_of(answers.next(), "message")?;
-        let messages = messages.iter().map(AgentMessage::to_wit).collect();
+        let compactions: Vec<AgentCompaction> = entries_of(answers.next(), "compaction")?;
+        let newest_compaction = compactions.into_iter().next();
         let run_state: Option<String> = value_of(answers.next(), "the run state")?;
         let mut records: Vec<AgentToolCall> = entries_of(answers.next(), "tool call record")?;
         records.sort_by_key(|r| r.deferral_order);
@@ -91,15 +94,19 @@ impl SessionSteps {
             .await
             .map_err(version_error)?;
         let policies = self.policies_for(&tool_set);
-        let turn_context = TurnContext {
+        let history = Arc::new(StoredHistory::new(ctx.clone(), state.message_count));
+        let turn_context = TurnInput {
             flow_id: ctx.flow_id().to_string(),
             turn_id: turn.clone(),
             attempt: ctx.attempt(),
-            messages,
-            framework_run_state: run_state,
+            history: history.clone(),
+            compaction: newest_compaction.as_ref().map(AgentCompaction::to_wit),
+            framework_run_state: run_state.clone(),
             tool_calls: records.iter().map(AgentToolCall::to_wit).collect(),
             tools: tool_set.specs.clone(),
         };
+        let context_bytes = turn_context.context_bytes();
+        let before_guest = started.elapsed();
         let tag = Self::tag(&ctx, &turn);
         let managed = records.iter().map(|r| r.tool_call_id.clone()).collect();
         let events =
@@ -113,6 +120,7 @@ impl SessionSteps {
             }
             runner.run_model_step(env, turn_context).await
         };
+        let after_guest = Instant::now();
         // The calls the outcome defers are the host's to report.
         let deferred: HashSet<String> = match &outcome {
             Ok(Ok(TurnOutcome::ToolCallsRequested(request))) => request
@@ -134,12 +142,20 @@ impl SessionSteps {
             let recorded = AgentUsage::of(match &outcome {
                 TurnOutcome::Completed(done) => &done.usage,
                 TurnOutcome::ToolCallsRequested(request) => &request.usage,
+                TurnOutcome::Compacted(compacted) => &compacted.usage,
             });
             usage.add(&recorded);
+            // Host time: before the guest ran, after it returned, and the
+            // history pages it read while it ran.
+            let host = before_guest + after_guest.elapsed();
             let usage_event = session_event(
                 &tag,
                 event_type::USAGE_RECORDED,
-                json!({"recorded": recorded, "session": usage}),
+                json!({
+                    "recorded": recorded,
+                    "session": usage,
+                    "context": history.meter.report(context_bytes, host.as_micros() as u64),
+                }),
             );
             let hop_writes = match hop {
                 Some(hop) => StepResult::end().append(
@@ -149,6 +165,37 @@ impl SessionSteps {
                 None => StepResult::end(),
             };
             match outcome {
+                TurnOutcome::Compacted(compacted) => {
+                    check_compaction(
+                        compacted.through_sequence,
+                        state.message_count,
+                        newest_compaction.as_ref(),
+                        &turn,
+                    )
+                    .map_err(|reason| {
+                        fatal(format!(
+                            "the runner's compacted outcome is invalid: {reason}"
+                        ))
+                    })?;
+                    let compaction = AgentCompaction::from_wit(&turn, &compacted);
+                    // The same turn goes on with the compaction in its
+                    // context; its run state and records are untouched.
+                    state.runner_digest = Some(digest.clone());
+                    Ok(StepResult::go_to(run_model_call())
+                        .with_writes(hop_writes.writes)
+                        .set_entry(AGENT_COMPACTIONS, &compaction.key(), to_json(&compaction))
+                        .set(AGENT_USAGE, to_json(&usage))
+                        .set(AGENT_STATE, to_json(&state))
+                        .append(AGENT_EVENTS, usage_event)
+                        .append(
+                            AGENT_EVENTS,
+                            session_event(
+                                &tag,
+                                event_type::HISTORY_COMPACTED,
+                                json!({"through_sequence": compaction.through_sequence}),
+                            ),
+                        ))
+                }
                 TurnOutcome::Completed(done) => {
                     let limit = self.options.turn_limits.messages;
                     if done.new_messages.len() > limit as usize {
