@@ -9,8 +9,8 @@ use std::time::Duration;
 use dexa::flow::history::{ATTEMPT_FAILED, EXECUTE_COMPLETED, EXECUTE_FAILED, REDELIVERED};
 use dexa::flow::store::{AttemptFailure, FailureAction, StepCommit};
 use dexa::flow::{
-    FlowClient, FlowStatus, FlowStore, Json, NewTask, RetryPolicy, RpcError, StepHistoryEntry,
-    StoreError, Worker, WorkerOptions,
+    FlowClient, FlowStatus, FlowStore, Json, MapQuery, NewTask, RetryPolicy, RpcError,
+    StepHistoryEntry, StoreError, Worker, WorkerOptions,
 };
 use dexa_tests::toy::{
     toy_registry, wait_until, PostgresFactory, Probe, SqliteFactory, StoreFactory,
@@ -1456,6 +1456,70 @@ async fn stopping_a_flow_keeps_its_state_readable(factory: &dyn StoreFactory) {
     ));
 }
 
+/// A map read honours its range, its order, its limit and its byte cap,
+/// counting the stored bytes of every row before the one that passes it.
+async fn a_map_read_pages_by_range_order_limit_and_bytes(factory: &dyn StoreFactory) {
+    let stack = Stack::new(factory);
+    stack
+        .client
+        .start_flow("Inbox", "pages", json!({"mode": "one", "expect": 5}))
+        .await
+        .expect("start");
+    stack
+        .client
+        .rpc("pages", |tx| {
+            for n in 1..=10 {
+                // 100 bytes stored: a JSON string of 98 characters.
+                tx.set("m", &format!("k{n:02}"), json!("x".repeat(98)))?;
+            }
+            Ok(())
+        })
+        .await
+        .expect("set");
+    let keys = |query: MapQuery| {
+        let store = stack.store.clone();
+        async move {
+            store
+                .read_map("pages", "m", query)
+                .await
+                .expect("read")
+                .into_iter()
+                .map(|(key, _)| key)
+                .collect::<Vec<_>>()
+        }
+    };
+    let range = |descending, limit, max_bytes| MapQuery {
+        after: Some("k03".to_string()),
+        before: Some("k08".to_string()),
+        descending,
+        limit,
+        max_bytes,
+    };
+    assert_eq!(
+        keys(range(false, 0, None)).await,
+        ["k04", "k05", "k06", "k07"]
+    );
+    assert_eq!(keys(range(true, 2, None)).await, ["k07", "k06"]);
+    assert_eq!(
+        keys(range(false, 0, Some(250))).await,
+        ["k04", "k05", "k06"]
+    );
+    assert_eq!(keys(range(true, 0, Some(200))).await, ["k07", "k06"]);
+    assert_eq!(keys(range(true, 1, Some(u64::MAX))).await, ["k07"]);
+    assert_eq!(keys(range(false, 0, Some(1))).await, ["k04"], "never empty");
+    assert_eq!(keys(range(false, 0, Some(0))).await, ["k04"], "never empty");
+    let all = keys(MapQuery::default()).await;
+    assert_eq!(all.len(), 10);
+    assert_eq!(
+        keys(MapQuery {
+            after: Some("k10".to_string()),
+            ..MapQuery::default()
+        })
+        .await,
+        Vec::<String>::new()
+    );
+}
+
 /// A worker child process, killed when dropped (also when a test fails).
 struct WorkerProcess(Child);
 
@@ -1638,4 +1702,5 @@ backends!(
     taking_a_flows_tasks_fences_the_running_step_and_wakes_its_readers,
     a_killed_worker_process_mid_step,
     leases_fence_the_retry_policy,
+    a_map_read_pages_by_range_order_limit_and_bytes,
 );

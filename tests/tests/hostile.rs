@@ -168,11 +168,20 @@ async fn each_runner_attack_fails_its_turn_by_the_spec_route_and_the_session_goe
         ),
         (
             "compact-past-end",
-            "compacts through message 18446744073709551615, but the history has messages 1 to 1",
+            "compacts through message 18446744073709551615, but the history has 1 message(s)",
         ),
-        ("compact-loop", "a turn may compact once"),
     ];
     assert_runner_attacks_fail_their_turns(&sessions, &failing).await;
+
+    // A second compaction in one turn fails the turn; the session goes on.
+    let end = first_turn(&sessions, "compact-loop", "hello").await;
+    assert_eq!(end.text, "ok: hello");
+    let end = next_turn(&sessions, "compact-loop", 2, "compact-loop").await;
+    let error = end.error.unwrap_or_default();
+    assert!(error.contains("a turn may compact once"), "{error}");
+    let end = next_turn(&sessions, "compact-loop", 3, "hello").await;
+    assert_eq!(end.text, "ok: hello");
+    assert_eq!(end.error, None);
 
     // Ranges past both ends, inverted, with limits 0 and u32::MAX: clamped,
     // never an error.

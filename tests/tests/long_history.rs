@@ -58,7 +58,7 @@ async fn fill(sessions: &AgentSessionClient, id: &str, total: u64) {
     while count < total {
         let batch = (total - count).min(MAX_IMPORTED_MESSAGES as u64);
         count = sessions
-            .import_messages(id, chat_messages(count + 1, batch))
+            .import_messages(id, count, chat_messages(count + 1, batch))
             .await
             .unwrap_or_else(|err| panic!("import: {err}"));
     }
@@ -163,21 +163,33 @@ async fn an_import_needs_an_idle_session_and_writes_all_or_nothing() {
     })
     .await;
     // A turn runs: refused, nothing written.
-    let busy = sessions.import_messages("s1", chat_messages(1, 2)).await;
+    let busy = sessions.import_messages("s1", 1, chat_messages(1, 2)).await;
     assert!(matches!(busy, Err(SessionError::Busy { .. })), "{busy:?}");
     let snapshot = wait_for_turns(&sessions, "s1", 1).await;
     let before = snapshot.state.unwrap().message_count;
     // Too many, or one too large: refused whole.
     let many = sessions
-        .import_messages("s1", chat_messages(1, MAX_IMPORTED_MESSAGES as u64 + 1))
+        .import_messages(
+            "s1",
+            before,
+            chat_messages(1, MAX_IMPORTED_MESSAGES as u64 + 1),
+        )
         .await;
     assert!(matches!(many, Err(SessionError::Invalid(_))), "{many:?}");
     let mut huge = chat_messages(1, 3);
     huge[2].text = Some("x".repeat(MAX_IMPORTED_MESSAGE_BYTES + 1));
-    let huge = sessions.import_messages("s1", huge).await;
+    let huge = sessions.import_messages("s1", before, huge).await;
     assert!(matches!(huge, Err(SessionError::Invalid(_))), "{huge:?}");
+    // Many messages, each under its own cap, over the import's.
+    let per = MAX_IMPORTED_MESSAGE_BYTES / 2;
+    let mut bulk = chat_messages(1, (MAX_IMPORT_BYTES / per) as u64 + 1);
+    for message in &mut bulk {
+        message.text = Some("y".repeat(per));
+    }
+    let bulk = sessions.import_messages("s1", before, bulk).await;
+    assert!(matches!(bulk, Err(SessionError::Invalid(_))), "{bulk:?}");
     let none = sessions
-        .import_messages("nobody", chat_messages(1, 1))
+        .import_messages("nobody", 0, chat_messages(1, 1))
         .await;
     assert!(
         matches!(none, Err(SessionError::NoSuchSession(_))),
@@ -187,10 +199,15 @@ async fn an_import_needs_an_idle_session_and_writes_all_or_nothing() {
     assert_eq!(snapshot.state.unwrap().message_count, before);
     // Idle: imported, and the next turn follows them.
     let count = sessions
-        .import_messages("s1", chat_messages(1, 2))
+        .import_messages("s1", before, chat_messages(1, 2))
         .await
         .unwrap();
     assert_eq!(count, before + 2);
+    // The same import retried (its answer lost) adds nothing.
+    let again = sessions
+        .import_messages("s1", before, chat_messages(1, 2))
+        .await;
+    assert!(matches!(again, Err(SessionError::Busy { .. })), "{again:?}");
     assert!(sessions.send_user_message("s1", "next").await.unwrap());
     let snapshot = wait_for_turns(&sessions, "s1", 2).await;
     let sequences: Vec<u64> = snapshot.messages.iter().map(|m| m.sequence).collect();
@@ -369,3 +386,55 @@ backends!(
     the_rust_chat_runner_compacts_and_later_turns_start_from_the_summary,
     a_scripted_compaction_is_stored_and_the_turn_goes_on_from_it,
 );
+
+/// A runner that reads the history in a loop is stopped at the call's byte
+/// budget, before the page that passes it is copied into the guest, and the
+/// store hands over at most the budget and one message per page.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_history_read_stops_at_the_calls_byte_budget() {
+    use dexa::plugin::wit::{AgentMessage, MessageRole as Role};
+    use dexa::plugin::{CallEnv, ComponentSettings, MemoryHistory, TurnInput};
+    let big = "h".repeat(256 << 10);
+    let mut messages: Vec<AgentMessage> = (1..=300u64)
+        .map(|sequence| AgentMessage {
+            sequence,
+            turn_id: "turn-1".to_string(),
+            role: Role::Assistant,
+            framework_item: big.clone(),
+            text: None,
+        })
+        .collect();
+    messages.push(AgentMessage {
+        sequence: 301,
+        turn_id: "turn-2".to_string(),
+        role: Role::User,
+        framework_item: "history-flood".to_string(),
+        text: Some("history-flood".to_string()),
+    });
+    let engine = dexa_tests::test_engine();
+    let runner = engine
+        .load_runner(
+            &dexa_tests::guest_bytes("hostile-runner"),
+            ComponentSettings::named("hostile-runner"),
+        )
+        .unwrap_or_else(|err| panic!("{err}"));
+    let turn = TurnInput {
+        flow_id: "flow-1".to_string(),
+        turn_id: "turn-2".to_string(),
+        attempt: 1,
+        history: MemoryHistory::shared(messages),
+        compaction: None,
+        framework_run_state: None,
+        tool_calls: Vec::new(),
+        tools: Vec::new(),
+    };
+    let env = CallEnv::new(dexa_tests::step_tag("flow-1", "turn-2", "step-1", 1));
+    let err = match runner.run_model_step(env, turn).await {
+        Err(err) => err.to_string(),
+        Ok(outcome) => panic!("the flood ended: {outcome:?}"),
+    };
+    assert!(
+        err.contains("history.read returned more than 67108864 bytes in one call"),
+        "{err}"
+    );
+}

@@ -6,16 +6,19 @@
 //! the turn.
 //!
 //! Config keys: `system_prompt`, `temperature`, `max_output_tokens`,
-//! `compact_after` (default 100; `0` turns compaction off) and
-//! `compact_keep` (default 20).
+//! `compact_after` (default 100; `0` turns compaction off), `compact_keep`
+//! (default 20), `compact_chunk` (default 400) and `history_window` (default
+//! 200).
 //!
 //! The prompt is the newest compaction's summary, if any, and the messages
-//! after it, read from the host's history a page at a time. When a turn
-//! begins with more than `compact_after` messages after the summary, the
-//! turn's first model call writes a new summary instead (the model
-//! summarizes the old summary and every message but the newest
-//! `compact_keep`), and the host calls the runner again with it. So the
-//! prompt stays bounded however long the session lives, and the full
+//! after it (at most the newest `history_window`), read from the host's
+//! history a page at a time. When a turn begins with more than
+//! `compact_after` messages after the summary, the turn's first model call
+//! writes a new summary instead: of the old summary and the messages after
+//! it but the newest `compact_keep`, at most `compact_chunk` of them (an
+//! imported history of thousands is caught up over several turns), each cut
+//! to 2,000 characters. The host then calls the runner again with it. So
+//! the prompt stays bounded however long the session lives, and the full
 //! history stays stored.
 //!
 //! Each stored message's `framework_item` is the model message as JSON, so
@@ -24,8 +27,8 @@
 
 use dex::agents::types::{
     AgentMessage, DeferredToolCall, History, HistoryCompacted, HistoryOrder, MessageRole,
-    ModelMessage, ModelRequest, ModelToolCall, ToolCallRecord, ToolCallsRequested,
-    TurnCompleted, Usage,
+    ModelMessage, ModelRequest, ModelToolCall, ToolCallRecord, ToolCallsRequested, TurnCompleted,
+    Usage,
 };
 use dex::agents::{config, model, policy};
 use serde::{Deserialize, Serialize};
@@ -160,18 +163,28 @@ fn system(text: String) -> ModelMessage {
     }
 }
 
-/// Messages `first..=last` as a transcript the model can summarize: plain
-/// lines, so that no tool call is left without its result.
+/// The most characters of one message a summary request carries.
+const TRANSCRIPT_MESSAGE_CHARS: usize = 2_000;
+
+/// `text` cut to `max` characters, marked when cut.
+fn cut(text: &str, max: usize) -> String {
+    match text.char_indices().nth(max) {
+        Some((at, _)) => format!("{} [...]", &text[..at]),
+        None => text.to_string(),
+    }
+}
+
+/// Messages as a transcript the model can summarize: plain lines, so that no
+/// tool call is left without its result, each cut to a bounded length.
 fn transcript(messages: &[AgentMessage]) -> String {
     let mut text = String::new();
     for message in messages {
         let item = stored_item(message);
-        text.push_str(&item.role);
-        text.push_str(": ");
-        text.push_str(item.content.as_deref().unwrap_or(""));
+        let mut line = format!("{}: {}", item.role, item.content.as_deref().unwrap_or(""));
         for call in &item.tool_calls {
-            text.push_str(&format!(" [calls {}({})]", call.name, call.arguments));
+            line.push_str(&format!(" [calls {}({})]", call.name, call.arguments));
         }
+        text.push_str(&cut(&line, TRANSCRIPT_MESSAGE_CHARS));
         text.push('\n');
     }
     text
@@ -188,13 +201,17 @@ fn compaction(turn: &TurnContext) -> Result<Option<TurnOutcome>, String> {
     let keep = config_number("compact_keep", 20).max(1);
     let length = turn.history.length();
     let since = turn.compaction.as_ref().map_or(0, |c| c.through_sequence);
-    if turn.compaction.as_ref().is_some_and(|c| c.turn_id == turn.turn_id)
+    if turn
+        .compaction
+        .as_ref()
+        .is_some_and(|c| c.turn_id == turn.turn_id)
         || length.saturating_sub(since) <= after
         || length <= since + keep
     {
         return Ok(None);
     }
-    let through = length - keep;
+    let chunk = config_number("compact_chunk", 400).max(1);
+    let through = (length - keep).min(since + chunk);
     let mut prompt = String::from(
         "Summarize the conversation below for your own later use. Keep facts, decisions, \
          names, numbers, open tasks and what each tool did. Reply with the summary only.\n\n",
@@ -235,8 +252,10 @@ fn compaction(turn: &TurnContext) -> Result<Option<TurnOutcome>, String> {
     })))
 }
 
-/// The conversation the model sees: the newest summary, then every message
-/// after it. A leading tool result whose call was summarized is dropped.
+/// The conversation the model sees: the newest summary, then the messages
+/// after it, at most the newest `history_window`. A tool result whose call
+/// is not in the window (summarized, or cut off) is dropped: a model API
+/// refuses one.
 fn conversation(turn: &TurnContext) -> Vec<ModelMessage> {
     let mut messages = Vec::new();
     let since = match &turn.compaction {
@@ -252,14 +271,28 @@ fn conversation(turn: &TurnContext) -> Vec<ModelMessage> {
         }
         None => 0,
     };
-    let stored = read_range(&turn.history, since + 1, turn.history.length());
-    messages.extend(
-        stored
-            .iter()
-            .map(stored_item)
-            .skip_while(|item| item.role == "tool")
-            .map(|item| to_model(&item)),
-    );
+    let length = turn.history.length();
+    let window = config_number("history_window", 200).max(1);
+    let first = (since + 1).max((length + 1).saturating_sub(window));
+    let mut announced = std::collections::HashSet::new();
+    for item in read_range(&turn.history, first, length)
+        .iter()
+        .map(stored_item)
+    {
+        if item.role == "tool" {
+            let known = item
+                .tool_call_id
+                .as_ref()
+                .is_some_and(|id| announced.contains(id));
+            if !known {
+                continue;
+            }
+        }
+        for call in &item.tool_calls {
+            announced.insert(call.id.clone());
+        }
+        messages.push(to_model(&item));
+    }
     messages
 }
 

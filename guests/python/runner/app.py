@@ -8,14 +8,16 @@
 - an answer without tool calls ends the turn.
 
 Config keys: `system_prompt`, `temperature`, `max_output_tokens`,
-`compact_after` (default 100; `0` turns compaction off) and `compact_keep`
-(default 20).
+`compact_after` (default 100; `0` turns compaction off), `compact_keep`
+(default 20), `compact_chunk` (default 400) and `history_window` (default 200).
 
 The prompt is the newest compaction's summary, if any, and the messages after
-it, read from the host's history a page at a time. When a turn begins with
-more than `compact_after` messages after the summary, its first model call
-summarizes all but the newest `compact_keep` instead, and the host calls the
-runner again with that compaction, as `chat-runner` does.
+it (at most the newest `history_window`), read from the host's history a page
+at a time. When a turn begins with more than `compact_after` messages after
+the summary, its first model call summarizes the old summary and the messages
+after it but the newest `compact_keep` (at most `compact_chunk`, each cut to
+2,000 characters) instead, and the host calls the runner again with that
+compaction, as `chat-runner` does.
 
 Each stored message's `framework_item` is the model message as JSON, so later
 turns replay the conversation exactly, tool calls included. What the runner
@@ -49,13 +51,31 @@ def item(role: str, content: Optional[str], tool_calls=None, tool_call_id=None) 
     return out
 
 
+def is_item(parsed) -> bool:
+    """Whether a parsed framework item has this runner's shape (an imported
+    message may be JSON of another shape)."""
+    if not isinstance(parsed, dict) or parsed.get("role") not in ROLES:
+        return False
+    if not isinstance(parsed.get("content"), (str, type(None))):
+        return False
+    if not isinstance(parsed.get("tool_call_id"), (str, type(None))):
+        return False
+    calls = parsed.get("tool_calls") or []
+    if not isinstance(calls, list):
+        return False
+    return all(
+        isinstance(c, dict) and all(isinstance(c.get(k), str) for k in ("id", "name", "arguments"))
+        for c in calls
+    )
+
+
 def stored_item(message: types.AgentMessage) -> dict:
     """A stored message back as an item. Messages the host wrote (such as the
     turn-failure note) came from `build_user_message` too; anything that does
-    not parse is taken by its role and text."""
+    not parse as this runner's item is taken by its role and text."""
     try:
         parsed = json.loads(message.framework_item)
-        if isinstance(parsed, dict) and parsed.get("role") in ROLES:
+        if is_item(parsed):
             return parsed
     except ValueError:
         pass
@@ -119,14 +139,20 @@ def config_number(key: str, default: int) -> int:
     return default if value is None else value
 
 
+TRANSCRIPT_MESSAGE_CHARS = 2000
+
+
 def transcript(messages: List[types.AgentMessage]) -> str:
-    """Plain lines the model can summarize: no tool call without its result."""
+    """Plain lines the model can summarize: no tool call without its result,
+    each cut to a bounded length."""
     lines = []
     for message in messages:
         it = stored_item(message)
         line = f"{it['role']}: {it.get('content') or ''}"
         for call in it.get("tool_calls") or []:
             line += f" [calls {call['name']}({call['arguments']})]"
+        if len(line) > TRANSCRIPT_MESSAGE_CHARS:
+            line = line[:TRANSCRIPT_MESSAGE_CHARS] + " [...]"
         lines.append(line)
     return "\n".join(lines) + "\n"
 
@@ -145,7 +171,8 @@ def compaction(turn: types.TurnContext) -> Optional[types.TurnOutcome]:
         return None
     if length - since <= after or length <= since + keep:
         return None
-    through = length - keep
+    chunk = max(config_number("compact_chunk", 400), 1)
+    through = min(length - keep, since + chunk)
     prompt = (
         "Summarize the conversation below for your own later use. Keep facts, "
         "decisions, names, numbers, open tasks and what each tool did. Reply with "
@@ -175,8 +202,8 @@ def compaction(turn: types.TurnContext) -> Optional[types.TurnOutcome]:
 
 
 def conversation(turn: types.TurnContext) -> List[types.ModelMessage]:
-    """The newest summary, then every message after it; a leading tool result
-    whose call was summarized is dropped."""
+    """The newest summary, then the messages after it, at most the newest
+    `history_window`."""
     messages: List[types.ModelMessage] = []
     since = 0
     if turn.compaction is not None:
@@ -184,10 +211,17 @@ def conversation(turn: types.TurnContext) -> List[types.ModelMessage]:
         text = summary.text if summary.text is not None else summary.framework_item
         messages.append(types.ModelMessage(types.MessageRole.SYSTEM, text, [], None))
         since = turn.compaction.through_sequence
-    items = [stored_item(m) for m in read_range(turn.history, since + 1, turn.history.length())]
-    while items and items[0]["role"] == "tool":
-        items.pop(0)
-    messages.extend(to_model(it) for it in items)
+    length = turn.history.length()
+    window = max(config_number("history_window", 200), 1)
+    first = max(since + 1, length + 1 - window)
+    announced = set()
+    for it in (stored_item(m) for m in read_range(turn.history, first, length)):
+        # A tool result whose call is not in the window (summarized, or cut
+        # off) is dropped: a model API refuses one.
+        if it["role"] == "tool" and it.get("tool_call_id") not in announced:
+            continue
+        announced.update(c["id"] for c in it.get("tool_calls") or [])
+        messages.append(to_model(it))
     return messages
 
 

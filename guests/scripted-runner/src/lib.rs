@@ -56,8 +56,8 @@
 
 use dex::agents::types::{
     AgentMessage, DeferredToolCall, History, HistoryCompacted, HistoryOrder, MessageRole,
-    ModelMessage, ModelRequest, ModelToolCall, ToolCallRecord, ToolCallStatus,
-    ToolCallsRequested, ToolEffect, TurnCompleted, Usage,
+    ModelMessage, ModelRequest, ModelToolCall, ToolCallRecord, ToolCallStatus, ToolCallsRequested,
+    ToolEffect, TurnCompleted, Usage,
 };
 use dex::agents::{config, events, model, policy, step};
 use serde::{Deserialize, Serialize};

@@ -46,7 +46,10 @@ pub(super) async fn fill(bench: &Bench, session_id: &str, total: u64) -> anyhow:
                 }
             })
             .collect();
-        count = bench.sessions.import_messages(session_id, messages).await?;
+        count = bench
+            .sessions
+            .import_messages(session_id, count, messages)
+            .await?;
     }
     Ok(())
 }

@@ -473,6 +473,11 @@ pub struct MapQuery {
     /// Newest (greatest) keys first.
     pub descending: bool,
     pub limit: usize,
+    /// Stop once the stored values read so far hold this many bytes: the
+    /// row that reaches it is the last one returned (so a page is never
+    /// empty for it). The store counts before anything is read into the
+    /// host, so a reader bounds its memory by this and one row.
+    pub max_bytes: Option<u64>,
 }
 
 /// A stream entry.

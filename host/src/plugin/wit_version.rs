@@ -20,6 +20,24 @@ fn dex_version(import: &str) -> Option<&str> {
     Some(rest.split_once('@').map_or("", |(_, version)| version))
 }
 
+/// Whether a guest's version can be linked by this host's, by semver: the
+/// same major version, and for 0.x the same minor (0.2.0 and 0.2.1 are one
+/// track, 0.1 and 0.2 are not). Within a track the linker decides the rest.
+fn compatible(found: &str) -> bool {
+    let track = |version: &str| -> Option<(u64, u64)> {
+        let mut parts = version.split('.');
+        let major = parts.next()?.parse().ok()?;
+        let minor = parts.next()?.parse().ok()?;
+        Some((major, minor))
+    };
+    match (track(found), track(WIT_VERSION)) {
+        (Some((major, minor)), Some((host_major, host_minor))) => {
+            major == host_major && (major > 0 || minor == host_minor)
+        }
+        _ => false,
+    }
+}
+
 /// Refuses a component whose `dex:agents` imports are of another version.
 /// A component that imports nothing of ours (a tool that writes no events)
 /// runs under any version.
@@ -33,7 +51,7 @@ pub(crate) fn check_imports(
         .imports(engine)
         .find_map(|(import, _)| {
             dex_version(import)
-                .filter(|v| *v != WIT_VERSION)
+                .filter(|v| !compatible(v))
                 .map(str::to_string)
         });
     match other {
@@ -61,5 +79,16 @@ mod tests {
         assert_eq!(dex_version("dex:agents/step"), Some(""));
         assert_eq!(dex_version("wasi:cli/stdout@0.2.6"), None);
         assert_eq!(dex_version("dex:agentsx/step@0.1.0"), None);
+    }
+
+    #[test]
+    fn a_version_on_the_hosts_track_is_left_to_the_linker() {
+        assert!(compatible("0.2.0"));
+        assert!(compatible("0.2.7"));
+        assert!(!compatible("0.1.0"));
+        assert!(!compatible("0.3.0"));
+        assert!(!compatible("1.2.0"));
+        assert!(!compatible(""));
+        assert!(!compatible("banana"));
     }
 }

@@ -13,7 +13,12 @@ use super::records::{
     message_sequence_key, AgentMessage, MessageRole, AGENT_COMPACTIONS, AGENT_MESSAGES,
 };
 use crate::flow::{MapQuery, StateAnswer, StateQuery, StepContext};
-use crate::plugin::factors::history::{HistoryFuture, HistorySource};
+use crate::plugin::factors::history::{HistoryFuture, HistorySource, MAX_PAGE};
+
+/// History reads of guests running at once in this process, whatever their
+/// sessions: each holds a store connection (on PostgreSQL, one of the
+/// pool's) while it runs.
+static HISTORY_READS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(4);
 use crate::plugin::wit;
 
 /// A summary a runner made that stands for messages 1 through
@@ -70,8 +75,10 @@ pub(crate) fn newest_compaction_query() -> StateQuery {
 }
 
 /// Why a `compacted` outcome is refused (the turn then fails): it must move
-/// past the newest compaction, stay within the history, and be the turn's
-/// first, so that a runner cannot spend a turn compacting in a loop.
+/// past the newest compaction, leave the newest message (the turn's own user
+/// message: a turn appends its messages only when it completes) after the
+/// summary, and be the turn's first, so that a runner cannot spend a turn
+/// compacting in a loop.
 pub fn check_compaction(
     through_sequence: u64,
     length: u64,
@@ -94,10 +101,10 @@ pub fn check_compaction(
             ));
         }
     }
-    if through_sequence == 0 || through_sequence > length {
+    if through_sequence == 0 || through_sequence >= length {
         return Err(format!(
-            "it compacts through message {through_sequence}, but the history has messages 1 \
-             to {length}"
+            "it compacts through message {through_sequence}, but the history has {length} \
+             message(s) and the newest (the turn's own) must stay after the summary"
         ));
     }
     Ok(())
@@ -148,15 +155,32 @@ impl HistorySource for StoredHistory {
         self.length
     }
 
-    fn read(&self, first: u64, last: u64, newest_first: bool, limit: u32) -> HistoryFuture<'_> {
+    fn read(
+        &self,
+        first: u64,
+        last: u64,
+        newest_first: bool,
+        limit: u32,
+        max_bytes: u64,
+    ) -> HistoryFuture<'_> {
         Box::pin(async move {
             let started = Instant::now();
             let query = MapQuery {
                 after: Some(message_sequence_key(first.saturating_sub(1))),
                 before: Some(message_sequence_key(last.saturating_add(1))),
                 descending: newest_first,
-                limit: limit as usize,
+                // Never 0, which a map read takes as "no limit".
+                limit: limit.clamp(1, MAX_PAGE) as usize,
+                // The store stops at the budget before the rows reach the
+                // host: a page holds at most the budget and one message.
+                max_bytes: Some(max_bytes),
             };
+            // Guests' reads share the store with commits and lease
+            // renewals: only a few at a time per process.
+            let _permit = HISTORY_READS
+                .acquire()
+                .await
+                .map_err(|_| "the history reader is shutting down".to_string())?;
             let answer = self
                 .ctx
                 .read_state(vec![StateQuery::map(AGENT_MESSAGES, query)])
@@ -206,7 +230,9 @@ mod tests {
     #[test]
     fn a_compaction_moves_forward_within_the_history_once_per_turn() {
         assert!(check_compaction(5, 10, None, "turn-3").is_ok());
-        assert!(check_compaction(10, 10, None, "turn-3").is_ok());
+        assert!(check_compaction(9, 10, None, "turn-3").is_ok());
+        assert!(check_compaction(10, 10, None, "turn-3").is_err());
+        assert!(check_compaction(1, 1, None, "turn-3").is_err());
         assert!(check_compaction(0, 10, None, "turn-3").is_err());
         assert!(check_compaction(11, 10, None, "turn-3").is_err());
         let earlier = compaction(5, "turn-2");

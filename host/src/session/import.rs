@@ -16,6 +16,9 @@ use crate::flow::{RpcError, StoreError};
 pub const MAX_IMPORTED_MESSAGES: usize = 1_000;
 /// The most bytes one imported message may carry (its item and its text).
 pub const MAX_IMPORTED_MESSAGE_BYTES: usize = 256 << 10;
+/// The most bytes one import may carry in all: one transaction holds the
+/// store's writer (on SQLite, every session's) while it runs.
+pub const MAX_IMPORT_BYTES: usize = 16 << 20;
 /// The turn id imported messages carry: no turn of this session made them.
 pub const IMPORTED_TURN_ID: &str = "imported";
 
@@ -40,6 +43,7 @@ fn check(messages: &[ImportedMessage]) -> Result<(), SessionError> {
             messages.len()
         )));
     }
+    let mut total = 0usize;
     for (index, message) in messages.iter().enumerate() {
         let bytes = message.framework_item.len() + message.text.as_ref().map_or(0, String::len);
         if bytes > MAX_IMPORTED_MESSAGE_BYTES {
@@ -48,6 +52,12 @@ fn check(messages: &[ImportedMessage]) -> Result<(), SessionError> {
                  {MAX_IMPORTED_MESSAGE_BYTES}"
             )));
         }
+        total += bytes;
+    }
+    if total > MAX_IMPORT_BYTES {
+        return Err(SessionError::Invalid(format!(
+            "the import is {total} bytes, over the limit of {MAX_IMPORT_BYTES}; import in parts"
+        )));
     }
     Ok(())
 }
@@ -55,10 +65,13 @@ fn check(messages: &[ImportedMessage]) -> Result<(), SessionError> {
 impl AgentSessionClient {
     /// Appends `messages` to the history of an idle session (no turn
     /// running, no message queued), in one transaction, and answers the new
-    /// message count. Everything or nothing is written.
+    /// message count. Everything or nothing is written. `expected_count` is
+    /// the message count the caller saw: when the session holds another, the
+    /// import is refused, so a retried import cannot add its messages twice.
     pub async fn import_messages(
         &self,
         session_id: &str,
+        expected_count: u64,
         messages: Vec<ImportedMessage>,
     ) -> Result<u64, SessionError> {
         check(&messages)?;
@@ -68,8 +81,10 @@ impl AgentSessionClient {
                 if let Err(err) = running(tx, &id)? {
                     return Ok(Err(err));
                 }
-                // A Step that runs now would write the state it read.
-                tx.lock(AGENT_STATE)?;
+                // Race-free without a lock: RPCs of a session are serialized,
+                // a queued message stays in the channel until the
+                // AwaitUserMessage that takes it commits, and a turn is
+                // active from that commit to its end.
                 let Some(state) = tx.get(AGENT_STATE, "")? else {
                     return Ok(Err(SessionError::Busy {
                         session_id: id.clone(),
@@ -84,6 +99,15 @@ impl AgentSessionClient {
                     return Ok(Err(SessionError::Busy {
                         session_id: id.clone(),
                         reason: "a turn is running".to_string(),
+                    }));
+                }
+                if state.message_count != expected_count {
+                    return Ok(Err(SessionError::Busy {
+                        session_id: id.clone(),
+                        reason: format!(
+                            "it holds {} messages, not the {expected_count} the import expected",
+                            state.message_count
+                        ),
                     }));
                 }
                 if tx.channel_len(QUEUED_USER_MESSAGES, "")? > 0 {

@@ -34,6 +34,7 @@ pub use flow::{
 pub use history::{check_compaction, AgentCompaction};
 pub use import::{
     ImportedMessage, IMPORTED_TURN_ID, MAX_IMPORTED_MESSAGES, MAX_IMPORTED_MESSAGE_BYTES,
+    MAX_IMPORT_BYTES,
 };
 pub use limits::TurnLimits;
 pub use options::AgentSessionOptions;

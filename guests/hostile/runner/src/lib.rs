@@ -132,9 +132,7 @@ impl Guest for HostileRunner {
             let oldest = turn
                 .history
                 .read(0, u64::MAX, HistoryOrder::OldestFirst, u32::MAX);
-            let newest = turn
-                .history
-                .read(u64::MAX, 0, HistoryOrder::NewestFirst, 0);
+            let newest = turn.history.read(u64::MAX, 0, HistoryOrder::NewestFirst, 0);
             let empty = turn
                 .history
                 .read(length + 1, u64::MAX, HistoryOrder::NewestFirst, 10);
@@ -148,14 +146,15 @@ impl Guest for HostileRunner {
             ));
         }
         // `compact-past-end` and `compact-loop` try the host's compaction checks.
-        if attack == "compact-past-end" || (attack == "compact-loop" && length > 0) {
+        // `compact-loop` needs a message before its own to summarize.
+        if attack == "compact-past-end" || (attack == "compact-loop" && length > 1) {
             let through = if attack == "compact-past-end" {
                 u64::MAX
             } else {
                 turn.compaction
                     .as_ref()
                     .map_or(1, |c| c.through_sequence + 1)
-                    .min(length)
+                    .min(length - 1)
             };
             return Ok(TurnOutcome::Compacted(HistoryCompacted {
                 through_sequence: through,

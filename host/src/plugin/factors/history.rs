@@ -39,11 +39,19 @@ pub trait HistorySource: Send + Sync {
     fn length(&self) -> u64;
 
     /// The messages with `first <= sequence <= last`, at most `limit`,
-    /// newest first when `newest_first`. The caller has clamped the range to
-    /// `1..=length()`, made it non-empty and bounded `limit` by
-    /// [`MAX_PAGE`]. An error is the store's: the call then fails, and its
-    /// Step is retried like any other.
-    fn read(&self, first: u64, last: u64, newest_first: bool, limit: u32) -> HistoryFuture<'_>;
+    /// newest first when `newest_first`, stopping after the message that
+    /// brings the page to `max_bytes` (a page is never empty for it). The
+    /// caller has clamped the range to `1..=length()`, made it non-empty and
+    /// bounded `limit` by [`MAX_PAGE`]. An error is the store's: the call then
+    /// fails, and its Step is retried like any other.
+    fn read(
+        &self,
+        first: u64,
+        last: u64,
+        newest_first: bool,
+        limit: u32,
+        max_bytes: u64,
+    ) -> HistoryFuture<'_>;
 }
 
 /// A history held in memory, oldest first, sequences from 1. For calls made
@@ -69,17 +77,33 @@ impl HistorySource for MemoryHistory {
         self.messages.len() as u64
     }
 
-    fn read(&self, first: u64, last: u64, newest_first: bool, limit: u32) -> HistoryFuture<'_> {
+    fn read(
+        &self,
+        first: u64,
+        last: u64,
+        newest_first: bool,
+        limit: u32,
+        max_bytes: u64,
+    ) -> HistoryFuture<'_> {
         let from = usize::try_from(first.saturating_sub(1)).unwrap_or(usize::MAX);
         let to = usize::try_from(last)
             .unwrap_or(usize::MAX)
             .min(self.messages.len());
         let slice = self.messages.get(from..to).unwrap_or(&[]);
-        let page: Vec<AgentMessage> = if newest_first {
-            slice.iter().rev().take(limit as usize).cloned().collect()
+        let ordered: Box<dyn Iterator<Item = &AgentMessage>> = if newest_first {
+            Box::new(slice.iter().rev())
         } else {
-            slice.iter().take(limit as usize).cloned().collect()
+            Box::new(slice.iter())
         };
+        let mut page = Vec::new();
+        let mut bytes = 0u64;
+        for message in ordered.take(limit as usize) {
+            if bytes >= max_bytes && !page.is_empty() {
+                break;
+            }
+            bytes = bytes.saturating_add(message_bytes(message));
+            page.push(message.clone());
+        }
         Box::pin(async move { Ok(page) })
     }
 }
@@ -192,7 +216,8 @@ impl types::HostHistory for CallState {
         if limit == 0 {
             return Ok(Vec::new());
         }
-        if self.history.reads >= MAX_READS_PER_CALL {
+        let remaining = MAX_BYTES_PER_CALL.saturating_sub(self.history.bytes);
+        if self.history.reads >= MAX_READS_PER_CALL || remaining == 0 {
             return Err(wasmtime::Error::msg(format!(
                 "history.read was called more than {MAX_READS_PER_CALL} times in one call"
             )));
@@ -200,7 +225,7 @@ impl types::HostHistory for CallState {
         self.history.reads += 1;
         let newest_first = matches!(order, HistoryOrder::NewestFirst);
         let page = source
-            .read(first, last, newest_first, limit)
+            .read(first, last, newest_first, limit, remaining)
             .await
             .map_err(|err| wasmtime::Error::msg(format!("history.read failed: {err}")))?;
         let bytes: u64 = page.iter().map(message_bytes).sum();

@@ -181,8 +181,13 @@ impl SessionSteps {
                     // The same turn goes on with the compaction in its
                     // context; its run state and records are untouched.
                     state.runner_digest = Some(digest.clone());
-                    Ok(StepResult::go_to(run_model_call())
-                        .with_writes(hop_writes.writes)
+                    // Only the newest is ever read: the one it replaces goes.
+                    let mut result =
+                        StepResult::go_to(run_model_call()).with_writes(hop_writes.writes);
+                    if let Some(replaced) = &newest_compaction {
+                        result = result.delete(AGENT_COMPACTIONS, &replaced.key());
+                    }
+                    Ok(result
                         .set_entry(AGENT_COMPACTIONS, &compaction.key(), to_json(&compaction))
                         .set(AGENT_USAGE, to_json(&usage))
                         .set(AGENT_STATE, to_json(&state))

@@ -169,16 +169,34 @@ pub(super) async fn read_map<C: GenericClient>(
         values.push(before);
         bounds.push_str(&format!(" AND key < ${}", values.len()));
     }
-    let rows = query(
-        client,
-        &format!(
+    // With a byte cap, a running sum over the rows in order (measured in
+    // the server) keeps every row whose predecessors hold fewer bytes.
+    let max_bytes = query_spec
+        .max_bytes
+        .map(|b| i64::try_from(b).unwrap_or(i64::MAX));
+    let sql = match &max_bytes {
+        None => format!(
             "SELECT key, value, version FROM attributes
              WHERE flow_id = $1 AND name = $2{bounds}
              ORDER BY key {order} LIMIT $3"
         ),
-        &values,
-    )
-    .await?;
+        Some(cap) => {
+            values.push(cap);
+            format!(
+                "SELECT key, value, version FROM (
+                   SELECT key, value, version,
+                          SUM(octet_length(value)) OVER (ORDER BY key {order}
+                              ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS before_bytes
+                   FROM attributes
+                   WHERE flow_id = $1 AND name = $2{bounds}
+                   ORDER BY key {order} LIMIT $3) AS page
+                 WHERE before_bytes IS NULL OR before_bytes < ${}
+                 ORDER BY key {order}",
+                values.len()
+            )
+        }
+    };
+    let rows = query(client, &sql, &values).await?;
     let mut entries = Vec::with_capacity(rows.len());
     for row in rows {
         let key: String = row.get(0);

@@ -184,11 +184,35 @@ pub(super) fn read_map(
         values.push(before);
         bounds.push_str(&format!(" AND key < ?{}", values.len()));
     }
-    let mut stmt = conn.prepare_cached(&format!(
-        "SELECT key, value, version FROM attributes
-         WHERE flow_id = ?1 AND name = ?2{bounds}
-         ORDER BY key {order} LIMIT ?3"
-    ))?;
+    // With a byte cap, a running sum over the rows in order (SQLite
+    // measures each value in place) keeps every row whose predecessors
+    // hold fewer bytes than the cap.
+    let max_bytes = query
+        .max_bytes
+        .map(|b| i64::try_from(b).unwrap_or(i64::MAX));
+    let sql = match &max_bytes {
+        None => format!(
+            "SELECT key, value, version FROM attributes
+             WHERE flow_id = ?1 AND name = ?2{bounds}
+             ORDER BY key {order} LIMIT ?3"
+        ),
+        Some(cap) => {
+            values.push(cap);
+            format!(
+                "SELECT key, value, version FROM (
+                   SELECT key, value, version,
+                          SUM(length(CAST(value AS BLOB))) OVER (ORDER BY key {order}
+                              ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS before_bytes
+                   FROM attributes
+                   WHERE flow_id = ?1 AND name = ?2{bounds}
+                   ORDER BY key {order} LIMIT ?3)
+                 WHERE before_bytes IS NULL OR before_bytes < ?{}
+                 ORDER BY key {order}",
+                values.len()
+            )
+        }
+    };
+    let mut stmt = conn.prepare_cached(&sql)?;
     let rows = stmt
         .query_map(values.as_slice(), |row| {
             Ok((
