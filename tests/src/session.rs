@@ -354,3 +354,52 @@ pub fn texts_of(snapshot: &AgentSnapshot, role: dexa::session::MessageRole) -> V
         .filter_map(|m| m.text.clone())
         .collect()
 }
+
+/// A model answer of `text` with no tool calls (1 input and 1 output token),
+/// for a scripted model provider.
+pub fn text_answer(text: &str) -> dexa::plugin::wit::ModelResponse {
+    use dexa::plugin::wit::{MessageRole, ModelMessage, ModelResponse, Usage};
+    ModelResponse {
+        message: ModelMessage {
+            role: MessageRole::Assistant,
+            content: Some(text.to_string()),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+        },
+        usage: Usage {
+            input_tokens: 1,
+            output_tokens: 1,
+            total_tokens: 2,
+        },
+        finish_reason: "stop".to_string(),
+    }
+}
+
+/// Runs each named async test function once per store backend, as
+/// `sqlite::<name>` and `postgres::<name>` (`DEXA_TEST_POSTGRES`), on a
+/// two-thread runtime with [`BACKEND`] set for the stacks it opens.
+#[macro_export]
+macro_rules! on_each_backend {
+    ($($test:ident),* $(,)?) => {
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    $crate::session::BACKEND
+                        .scope($crate::session::Backend::Sqlite, super::$test())
+                        .await;
+                }
+            )*
+        }
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    $crate::session::BACKEND
+                        .scope($crate::session::Backend::Postgres, super::$test())
+                        .await;
+                }
+            )*
+        }
+    };
+}

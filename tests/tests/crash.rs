@@ -503,34 +503,9 @@ async fn a_user_message_the_runner_never_gets_is_requeued_a_few_times_then_given
     );
 }
 
-/// Every crash test above without its own test attribute runs once per
-/// store backend: the same kills, on SQLite and on PostgreSQL.
-macro_rules! backends {
-    ($($test:ident),* $(,)?) => {
-        mod sqlite {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $test() {
-                    dexa_tests::session::BACKEND
-                        .scope(dexa_tests::session::Backend::Sqlite, super::$test())
-                        .await;
-                }
-            )*
-        }
-        mod postgres {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $test() {
-                    dexa_tests::session::BACKEND
-                        .scope(dexa_tests::session::Backend::Postgres, super::$test())
-                        .await;
-                }
-            )*
-        }
-    };
-}
-
-backends!(
+// Every crash test above without its own test attribute runs once per
+// store backend: the same kills, on SQLite and on PostgreSQL.
+dexa_tests::on_each_backend!(
     a_worker_killed_while_waiting_for_approval_is_replaced_and_the_tool_runs_once,
     a_read_tool_killed_mid_call_runs_again_and_its_result_is_recorded_once,
     an_idempotent_write_killed_mid_call_runs_again_with_the_same_idempotency_key,

@@ -8,11 +8,12 @@
 
 use std::sync::Arc;
 
-use dexa::plugin::wit::{MessageRole as WitRole, ModelMessage, ModelResponse, Usage};
+use dexa::plugin::wit::MessageRole as WitRole;
 use dexa::plugin::ScriptedModelProvider;
 use dexa::session::*;
 use dexa_tests::session::{
-    all_events, last_text, wait_for_agent_snapshot, wait_for_turns, AgentSpec, SessionStack,
+    all_events, last_text, text_answer, wait_for_agent_snapshot, wait_for_turns, AgentSpec,
+    SessionStack,
 };
 use serde_json::Value;
 
@@ -155,8 +156,9 @@ async fn a_turn_of_a_10000_message_session_hands_the_guest_its_window_not_the_hi
 async fn an_import_needs_an_idle_session_and_writes_all_or_nothing() {
     let stack = started(vec![AgentSpec::scripted("Import")]).await;
     let sessions = stack.sessions("Import");
-    // A model call of 3 s: the turn runs meanwhile.
-    let slow = serde_json::json!({"steps": [{"sleep_ms": 3000, "text": "done"}]}).to_string();
+    // A model call of 8 s: the turn still runs when the import comes, even on
+    // a busy machine.
+    let slow = serde_json::json!({"steps": [{"sleep_ms": 8000, "text": "done"}]}).to_string();
     sessions.start_session("s1", &slow).await.unwrap();
     wait_for_agent_snapshot(&sessions, "s1", "the turn running", |s| {
         s.state.as_ref()?.active_turn_id.as_ref().map(|_| ())
@@ -217,28 +219,11 @@ async fn an_import_needs_an_idle_session_and_writes_all_or_nothing() {
     assert_eq!(snapshot.state.unwrap().message_count, before + 4);
 }
 
-fn answer(text: &str) -> ModelResponse {
-    ModelResponse {
-        message: ModelMessage {
-            role: WitRole::Assistant,
-            content: Some(text.to_string()),
-            tool_calls: Vec::new(),
-            tool_call_id: None,
-        },
-        usage: Usage {
-            input_tokens: 1,
-            output_tokens: 1,
-            total_tokens: 2,
-        },
-        finish_reason: "stop".to_string(),
-    }
-}
-
 /// The chat runner of `guest` compacts past `compact_after` messages: the
 /// turn's first model call writes the summary, later prompts start from it,
 /// and the history stays whole.
 async fn chat_runner_compacts(guest: &str) {
-    let responses = ["a1", "a2", "S1", "a3", "a4", "S2", "a5"].map(answer);
+    let responses = ["a1", "a2", "S1", "a3", "a4", "S2", "a5"].map(text_answer);
     let model = Arc::new(ScriptedModelProvider::new(responses));
     let mut agent = AgentSpec::scripted("Chat")
         .runner_config("compact_after", "4")
@@ -354,33 +339,8 @@ async fn a_scripted_compaction_is_stored_and_the_turn_goes_on_from_it() {
     assert_eq!(compacted[0].data["through_sequence"], 2);
 }
 
-/// Each test on SQLite and on PostgreSQL (`DEXA_TEST_POSTGRES`).
-macro_rules! backends {
-    ($($test:ident),* $(,)?) => {
-        mod sqlite {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $test() {
-                    dexa_tests::session::BACKEND
-                        .scope(dexa_tests::session::Backend::Sqlite, super::$test())
-                        .await;
-                }
-            )*
-        }
-        mod postgres {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $test() {
-                    dexa_tests::session::BACKEND
-                        .scope(dexa_tests::session::Backend::Postgres, super::$test())
-                        .await;
-                }
-            )*
-        }
-    };
-}
-
-backends!(
+// Each test on SQLite and on PostgreSQL (`DEXA_TEST_POSTGRES`).
+dexa_tests::on_each_backend!(
     a_turn_of_a_10000_message_session_hands_the_guest_its_window_not_the_history,
     an_import_needs_an_idle_session_and_writes_all_or_nothing,
     the_rust_chat_runner_compacts_and_later_turns_start_from_the_summary,

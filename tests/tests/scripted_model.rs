@@ -12,7 +12,7 @@ use dexa::plugin::{MemoryHistory, TurnInput};
 use dexa_tests::hostile::next_turn;
 use dexa_tests::kit::{wait_for_turns, AgentTestStack};
 use dexa_tests::measure::peak_rss_mib;
-use dexa_tests::session::last_text;
+use dexa_tests::session::{last_text, text_answer};
 use dexa_tests::{guest_bytes, guest_wasm, repo_root, step_tag, test_engine};
 use std::sync::Arc;
 
@@ -39,24 +39,6 @@ fn attack_turn(turn_id: &str, attack: &str) -> TurnInput {
     }
 }
 
-fn answer(text: &str) -> dexa::plugin::wit::ModelResponse {
-    use dexa::plugin::wit::{ModelMessage, ModelResponse, Usage};
-    ModelResponse {
-        message: ModelMessage {
-            role: MessageRole::Assistant,
-            content: Some(text.to_string()),
-            tool_calls: Vec::new(),
-            tool_call_id: None,
-        },
-        usage: Usage {
-            input_tokens: 1,
-            output_tokens: 1,
-            total_tokens: 2,
-        },
-        finish_reason: "stop".to_string(),
-    }
-}
-
 #[tokio::test]
 async fn the_scripted_model_holds_a_bounded_summary_however_many_and_large_the_requests() {
     let engine = test_engine();
@@ -66,7 +48,7 @@ async fn the_scripted_model_holds_a_bounded_summary_however_many_and_large_the_r
             ComponentSettings::named("hostile-runner"),
         )
         .unwrap_or_else(|err| panic!("hostile-runner: {err}"));
-    let model = Arc::new(ScriptedModelProvider::new([answer("noted")]).repeating());
+    let model = Arc::new(ScriptedModelProvider::new([text_answer("noted")]).repeating());
     let (turns, mib) = (12, 8);
     for n in 1..=turns {
         let turn_id = format!("turn-{n}");

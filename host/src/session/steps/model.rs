@@ -101,7 +101,7 @@ impl SessionSteps {
             attempt: ctx.attempt(),
             history: history.clone(),
             compaction: newest_compaction.as_ref().map(AgentCompaction::to_wit),
-            framework_run_state: run_state.clone(),
+            framework_run_state: run_state,
             tool_calls: records.iter().map(AgentToolCall::to_wit).collect(),
             tools: tool_set.specs.clone(),
         };
