@@ -7,6 +7,7 @@ pub mod postgres;
 pub(crate) mod rows;
 pub mod sqlite;
 pub mod stream_signals;
+pub(crate) mod write_plan;
 
 use std::sync::Arc;
 

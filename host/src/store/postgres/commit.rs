@@ -31,6 +31,7 @@ use super::tasks::{task_row, TaskValues, DROP_LOCKS, DROP_TASKS, INSERT_TASK, WA
 use crate::flow::store::{StepCommit, StoreError};
 use crate::flow::types::{ClaimedTask, StoreMillis};
 use crate::store::rows::{decode_task, TASK_COLUMNS};
+use crate::store::write_plan::WritePlan;
 
 /// What a commit did.
 pub(super) struct Committed {
@@ -197,8 +198,12 @@ pub(super) async fn commit_step<C: GenericClient>(
     } else {
         // Refused before the writes run: a stale commit writes nothing.
         check_first_half(commit, &mut pipeline(tx, &first).await?.into_iter())?;
-        for write in &commit.writes {
+        let plan = WritePlan::of(&commit.writes);
+        for write in plan.others {
             super::state::apply_write(tx, now, flow_id, write).await?;
+        }
+        for (stream, entries) in &plan.appends {
+            super::streams::append_fitting(tx, now, flow_id, stream, entries).await?;
         }
         pipeline(tx, &second).await?.into_iter()
     };

@@ -20,6 +20,7 @@
 //!   for the cost).
 
 mod catalog;
+mod claims;
 mod connection;
 mod dump;
 mod flows;
@@ -341,7 +342,7 @@ impl FlowStore for SqliteStore {
         // A task made ready after this read wakes the worker again.
         let probe = flow_types.to_vec();
         if !self
-            .read(move |conn, now| tasks::any_claimable(conn, now, &probe))
+            .read(move |conn, now| claims::any_claimable(conn, now, &probe))
             .await?
         {
             return Ok(Vec::new());
@@ -349,11 +350,11 @@ impl FlowStore for SqliteStore {
         let worker_id = worker_id.to_string();
         let flow_types = flow_types.to_vec();
         self.write_quietly(move |tx, now| {
-            tasks::claim(
+            claims::claim(
                 tx,
                 now,
                 &worker_id,
-                tasks::ClaimScope::FlowTypes(&flow_types),
+                claims::ClaimScope::FlowTypes(&flow_types),
                 max,
                 lease_ms,
             )
@@ -395,11 +396,11 @@ impl FlowStore for SqliteStore {
                 let flow_id = commit.flow_id.clone();
                 tasks::commit_step(tx, now, commit)?;
                 match claim_next {
-                    Some(next) if next.max > 0 => tasks::claim(
+                    Some(next) if next.max > 0 => claims::claim(
                         tx,
                         now,
                         &next.worker_id,
-                        tasks::ClaimScope::Flow(&flow_id),
+                        claims::ClaimScope::Flow(&flow_id),
                         next.max,
                         next.lease_ms,
                     ),

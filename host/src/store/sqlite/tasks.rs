@@ -6,10 +6,12 @@ use rusqlite::{params, params_from_iter, Connection, OptionalExtension, Row};
 
 use super::history::insert_history;
 use super::sql::{backend, cached_execute, cached_query_row, exists, in_list};
-use super::state::{apply_write, channel_messages, wake_waiters};
+use super::state::{apply_write, wake_waiters};
+use super::streams;
 use crate::flow::store::{AttemptFailure, ExpiredLease, FailureAction, StepCommit, StoreError};
-use crate::flow::types::{ClaimedTask, NewTask, StoreMillis, TakenTask};
+use crate::flow::types::{NewTask, StoreMillis, TakenTask};
 use crate::store::rows::{decode_task, TaskRow, TaskRowRaw, TASK_COLUMNS};
+use crate::store::write_plan::WritePlan;
 
 /// Inserts a task; a task whose channel condition already holds is ready.
 pub(super) fn insert_task(
@@ -129,7 +131,7 @@ pub(super) fn drop_tasks(conn: &Connection, flow_id: &str) -> Result<(), StoreEr
     Ok(())
 }
 
-fn task_row(row: &Row<'_>) -> rusqlite::Result<TaskRowRaw> {
+pub(super) fn task_row(row: &Row<'_>) -> rusqlite::Result<TaskRowRaw> {
     let channel: Option<String> = row.get(14)?;
     let wait = match channel {
         Some(channel) => Some((channel, row.get::<_, String>(15)?, row.get::<_, u32>(16)?)),
@@ -186,128 +188,6 @@ pub(super) fn record_output(
         return Err(StoreError::StaleLease { task_id });
     }
     Ok(())
-}
-
-/// Whether any task of `flow_types` could be claimed now (a cheap read that
-/// spares the writer the claims that would find nothing).
-pub(super) fn any_claimable(
-    conn: &Connection,
-    now: StoreMillis,
-    flow_types: &[String],
-) -> Result<bool, StoreError> {
-    let sql = format!(
-        "SELECT 1 FROM tasks
-         WHERE flow_type IN ({})
-           AND ((state = 'ready' AND not_before_ms <= ?) OR (state = 'waiting' AND wake_at_ms <= ?))
-         LIMIT 1",
-        in_list(flow_types.len())
-    );
-    let mut values: Vec<rusqlite::types::Value> =
-        flow_types.iter().map(|t| t.clone().into()).collect();
-    values.push(now.into());
-    values.push(now.into());
-    let mut stmt = conn.prepare_cached(&sql)?;
-    let found = stmt.exists(params_from_iter(values))?;
-    Ok(found)
-}
-
-/// Which tasks a claim may take.
-pub(super) enum ClaimScope<'a> {
-    /// Any flow of these types (the worker's poll).
-    FlowTypes(&'a [String]),
-    /// This flow only (a claim made with a commit).
-    Flow(&'a str),
-}
-
-/// How many of the oldest due tasks a claim weighs for fairness (at least).
-const FAIR_CLAIM_WINDOW: usize = 256;
-
-pub(super) fn claim(
-    conn: &Connection,
-    now: StoreMillis,
-    worker_id: &str,
-    scope: ClaimScope<'_>,
-    max: usize,
-    lease_ms: i64,
-) -> Result<Vec<ClaimedTask>, StoreError> {
-    let (filter, mut values): (String, Vec<rusqlite::types::Value>) = match scope {
-        ClaimScope::FlowTypes(flow_types) => (
-            format!("flow_type IN ({})", in_list(flow_types.len())),
-            flow_types.iter().map(|t| t.clone().into()).collect(),
-        ),
-        // A flow's next Step rides with its commit only on a sequential
-        // path: a flow already running others (a fan-out) gets its next one
-        // through the fair claim below, so that it cannot keep a worker's
-        // slots from other flows by committing into them.
-        ClaimScope::Flow(flow_id) => (
-            "flow_id = ? AND NOT EXISTS (SELECT 1 FROM tasks AS l
-                WHERE l.flow_id = t.flow_id AND l.state = 'leased')"
-                .to_string(),
-            vec![flow_id.to_string().into()],
-        ),
-    };
-    // Fair between flows: among the oldest due tasks (a window of at least
-    // FAIR_CLAIM_WINDOW), a task goes first when its flow runs fewer Steps,
-    // counting those this claim takes before it (its rank within its flow),
-    // so that one flow's backlog (a fan-out of hundreds of tool calls)
-    // delays another flow's next Step by a free slot, not by the backlog.
-    let sql = format!(
-        "SELECT task_id FROM (
-           SELECT task_id, flow_id, not_before_ms,
-                  ROW_NUMBER() OVER (PARTITION BY flow_id ORDER BY not_before_ms, task_id) AS rank
-           FROM (
-             SELECT task_id, flow_id, not_before_ms FROM tasks AS t
-             WHERE {filter}
-               AND ((state = 'ready' AND not_before_ms <= ?) OR (state = 'waiting' AND wake_at_ms <= ?))
-             ORDER BY not_before_ms, task_id LIMIT ?)) AS due
-         ORDER BY rank + (SELECT COUNT(*) FROM tasks AS l WHERE l.flow_id = due.flow_id AND l.state = 'leased'),
-                  not_before_ms, task_id
-         LIMIT ?"
-    );
-    values.push(now.into());
-    values.push(now.into());
-    values.push((max.saturating_mul(4).max(FAIR_CLAIM_WINDOW) as i64).into());
-    values.push((max as i64).into());
-    let ids = {
-        let mut stmt = conn.prepare_cached(&sql)?;
-        let ids = stmt
-            .query_map(params_from_iter(values), |row| row.get::<_, i64>(0))?
-            .collect::<Result<Vec<_>, _>>()?;
-        ids
-    };
-    let mut claimed = Vec::with_capacity(ids.len());
-    for task_id in ids {
-        let raw = cached_query_row(
-            conn,
-            &format!(
-                "UPDATE tasks SET state = 'leased', lease_owner = ?2, lease_token = lease_token + 1,
-                    lease_expires_ms = ?3, attempt_started_at_ms = ?4,
-                    first_attempt_at_ms = COALESCE(first_attempt_at_ms, ?4), output_recorded = 0,
-                    timer_fired = CASE WHEN wake_at_ms IS NOT NULL AND wake_at_ms <= ?4 THEN 1 ELSE 0 END
-                 WHERE task_id = ?1 RETURNING {TASK_COLUMNS}"
-            ),
-            params![task_id, worker_id, now + lease_ms, now],
-            task_row,
-        )?;
-        let TaskRow { mut task, wait, .. } = decode_task(raw)?;
-        if let Some((channel, key, count)) = wait {
-            let messages = channel_messages(conn, &task.flow_id, &channel, &key, count)?;
-            // A timer can wake the task before the condition holds; then it
-            // gets no messages.
-            if messages.len() as u32 >= count {
-                task.messages = messages;
-            }
-        }
-        for name in &task.locks {
-            cached_execute(
-                conn,
-                "INSERT OR IGNORE INTO state_locks (flow_id, name, task_id) VALUES (?1, ?2, ?3)",
-                params![task.flow_id, name, task_id],
-            )?;
-        }
-        claimed.push(task);
-    }
-    Ok(claimed)
 }
 
 /// Extends the leases `worker_id` still holds; returns those it lost.
@@ -392,8 +272,12 @@ pub(super) fn commit_step(
             )));
         }
     }
-    for write in &commit.writes {
+    let plan = WritePlan::of(&commit.writes);
+    for write in plan.others {
         apply_write(conn, now, flow_id, write)?;
+    }
+    for (stream, entries) in &plan.appends {
+        streams::append_fitting(conn, now, flow_id, stream, entries)?;
     }
     insert_history(conn, flow_id, &commit.history)?;
     cached_execute(
