@@ -8,6 +8,11 @@ use serde_json::json;
 use crate::flow::{FlowError, RpcError, StoreError};
 use crate::session::SessionError;
 
+/// The `Retry-After` of every 503: long enough for a store to come back or
+/// a connection to free, short enough that a client does not wait long
+/// after it did.
+pub const RETRY_AFTER_SECONDS: &str = "2";
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ApiError {
     pub status: StatusCode,
@@ -65,6 +70,13 @@ impl IntoResponse for ApiError {
             response.headers_mut().insert(
                 axum::http::header::WWW_AUTHENTICATE,
                 axum::http::HeaderValue::from_static("Bearer"),
+            );
+        }
+        // Every 503 is a "not now": say when to try again.
+        if self.status == StatusCode::SERVICE_UNAVAILABLE {
+            response.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from_static(RETRY_AFTER_SECONDS),
             );
         }
         response

@@ -8,6 +8,7 @@ pub mod limits;
 pub mod listener;
 mod messages;
 pub mod openapi;
+mod ready;
 mod versions;
 mod viewer;
 
@@ -105,6 +106,7 @@ pub fn router(state: ApiState) -> Router {
         .merge(api)
         .route("/openapi.json", get(|| async { Json(openapi::document()) }))
         .route("/healthz", get(healthz))
+        .route("/readyz", get(ready::readyz))
         // The web viewer: a static page with a strict CSP (see `viewer`).
         .route("/", get(viewer::page))
         .fallback(|| async { ApiError::not_found("no such route; see /openapi.json") })

@@ -52,7 +52,7 @@ pub fn document() -> Value {
         "info": {
             "title": "dexa",
             "version": env!("CARGO_PKG_VERSION"),
-            "description": "Durable agent sessions whose runner and tools are sandboxed WebAssembly components. Every /v1 route needs `Authorization: Bearer <token>`. When every connection the server keeps for the API is taken, any request but `GET /healthz` gets a 503 `overloaded` with `Retry-After`."
+            "description": "Durable agent sessions whose runner and tools are sandboxed WebAssembly components. Every /v1 route needs `Authorization: Bearer <token>`. When every connection the server keeps for the API is taken, any request but `GET /healthz` gets a 503 `overloaded` with `Retry-After`. `GET /healthz` is a liveness check; `GET /readyz` answers 200 only while the store answers (and takes this process's worker's claims), else a 503 `store_unavailable`."
         },
         "security": [{"bearer": []}],
         "paths": {

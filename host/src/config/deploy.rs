@@ -11,7 +11,7 @@ use serde::Deserialize;
 use super::versions;
 use super::{ComponentConfig, ComponentRole, DexaConfig, ModelConfig, StoreUrl};
 use crate::catalog::{CatalogStore, CONFIG_ACTOR, RUNNER_ROLE};
-use crate::flow::{FlowClient, FlowStore, Registry, Worker, WorkerOptions};
+use crate::flow::{FlowClient, FlowStore, Registry, StoreHealth, Worker, WorkerOptions};
 use crate::plugin::wit::{MessageRole, ModelMessage, ModelResponse, ModelToolCall, Usage};
 use crate::plugin::{
     CacheOutcome, ComponentSettings, Grants, LoadError, ModelProvider, RunnerComponent,
@@ -49,6 +49,9 @@ pub struct Deployment {
     pub registry: Arc<Registry>,
     /// A worker's view of the activation log (none for clients).
     pub watch: Option<Arc<ActivationWatch>>,
+    /// Whether the store answers this deployment's workers (see
+    /// [`Deployment::worker_with`]); `/readyz` reads it.
+    pub store_health: StoreHealth,
 }
 
 impl Deployment {
@@ -231,6 +234,7 @@ impl Deployment {
             catalog,
             registry,
             watch: None,
+            store_health: StoreHealth::default(),
         })
     }
 
@@ -253,7 +257,13 @@ impl Deployment {
         self.worker_with(self.config.worker.options())
     }
 
+    /// A worker on this deployment; it reports the store's availability to
+    /// [`Deployment::store_health`].
     pub fn worker_with(&self, options: WorkerOptions) -> Worker {
+        let options = WorkerOptions {
+            store_health: self.store_health.clone(),
+            ..options
+        };
         Worker::new(self.store.clone(), self.registry.clone(), options)
     }
 }

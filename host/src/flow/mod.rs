@@ -7,6 +7,7 @@
 
 pub mod client;
 pub mod context;
+pub mod outage;
 pub mod registry;
 pub mod retry;
 mod revoke;
@@ -16,6 +17,7 @@ pub mod worker;
 
 pub use client::{FlowClient, FlowError, RPC_LOCK_RETRY};
 pub use context::{Heartbeat, StepContext};
+pub use outage::StoreHealth;
 pub use registry::{FlowType, Registry, RegistryError, StepDef, StepError, StepHandler};
 pub use store::{ClaimNext, FlowStore, RpcError, StateAnswer, StateQuery, StateTx, StoreError};
 pub use types::*;

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use tokio::task::{AbortHandle, JoinSet};
 
 use super::context::{Heartbeat, StepContext};
+use super::outage::{Outage, StoreHealth};
 use super::registry::{Registry, StepError};
 use super::retry::{self, AttemptError};
 use super::store::{AttemptFailure, ClaimNext, FlowStore, StepCommit, StoreError};
@@ -39,6 +40,8 @@ pub struct WorkerOptions {
     /// in which a lapsed Step may still record output.
     #[doc(hidden)]
     pub reap_pause: Duration,
+    /// Where the worker says whether the store answers its claims.
+    pub store_health: StoreHealth,
 }
 
 impl std::fmt::Debug for WorkerOptions {
@@ -67,6 +70,7 @@ impl Default for WorkerOptions {
             reap_interval: Duration::from_millis(200),
             on_step_committed: None,
             reap_pause: Duration::ZERO,
+            store_health: StoreHealth::default(),
         }
     }
 }
@@ -114,6 +118,7 @@ impl Worker {
         let mut running = JoinSet::new();
         let lease_ms = self.options.lease.as_millis() as i64;
         let mut last_reap: Option<Instant> = None;
+        let mut outage = Outage::new(&self.options.worker_id, self.options.store_health.clone());
         tokio::pin!(shutdown);
 
         loop {
@@ -123,7 +128,7 @@ impl Worker {
             notified.as_mut().enable();
 
             if last_reap.is_none_or(|at| at.elapsed() >= self.options.reap_interval) {
-                self.reap(&flow_types).await;
+                self.reap(&flow_types, &mut outage).await;
                 last_reap = Some(Instant::now());
             }
             while running.try_join_next().is_some() {}
@@ -133,6 +138,7 @@ impl Worker {
                 .saturating_sub(running.len());
             let mut claimed_all = false;
             let mut claimed_any = false;
+            let mut back_off = None;
             if free > 0 {
                 // Read before the claim: see `revoke::lease_taken`.
                 let since = self.store.revocation_generation();
@@ -142,6 +148,7 @@ impl Worker {
                     .await
                 {
                     Ok(tasks) => {
+                        outage.answered();
                         claimed_all = tasks.len() == free;
                         claimed_any = !tasks.is_empty();
                         for task in tasks {
@@ -159,10 +166,21 @@ impl Worker {
                             ));
                         }
                     }
-                    Err(err) => tracing::warn!(error = %err, "claiming tasks failed"),
+                    Err(err) => back_off = Some(outage.failed("claiming tasks", &err)),
                 }
             }
             if claimed_all {
+                continue;
+            }
+            if let Some(wait) = back_off {
+                // Neither a wake-up nor a finished Step may cut the wait
+                // short: with a full disk the store still reads (and finds
+                // work due) but refuses every claim, and a retry at each
+                // wake-up logged hundreds of failures a second.
+                tokio::select! {
+                    _ = &mut shutdown => break,
+                    _ = tokio::time::sleep(wait) => {}
+                }
                 continue;
             }
             // Busy: commits and finished Steps wake the loop; a short recheck
@@ -204,11 +222,12 @@ impl Worker {
 
     /// Hands the tasks of dead workers back: the same attempt when the Step
     /// had produced nothing, else the next attempt (or the failure route).
-    async fn reap(&self, flow_types: &[String]) {
+    async fn reap(&self, flow_types: &[String], outage: &mut Outage) {
         let expired = match self.store.expired_leases(flow_types, 64).await {
             Ok(expired) => expired,
             Err(err) => {
-                tracing::warn!(error = %err, "looking for expired leases failed");
+                // The claim that follows owes the back-off.
+                outage.failed("looking for expired leases", &err);
                 return;
             }
         };

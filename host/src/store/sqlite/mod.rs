@@ -42,6 +42,7 @@ use writer::{run_writer, spawn_checkpointer, JobDone, WriteJob};
 
 use std::any::Any;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
@@ -102,6 +103,10 @@ struct Inner {
     /// The Steps running for each flow: woken when its tasks are taken, by
     /// this process at once, by another through the watch.
     revocations: Arc<StreamSignals>,
+    /// Test hook: refuse every write, as a full disk does.
+    refuse_writes: AtomicBool,
+    /// Test hook: the writes refused so far.
+    refused_writes: AtomicU64,
 }
 
 impl SqliteStore {
@@ -144,6 +149,8 @@ impl SqliteStore {
                 signal,
                 streams,
                 revocations,
+                refuse_writes: AtomicBool::new(false),
+                refused_writes: AtomicU64::new(0),
             }),
         })
     }
@@ -160,6 +167,12 @@ impl SqliteStore {
         E: From<StoreError> + Send + 'static,
         F: FnOnce(&Connection, StoreMillis) -> Result<T, E> + Send + 'static,
     {
+        if self.inner.refuse_writes.load(Ordering::Acquire) {
+            self.inner.refused_writes.fetch_add(1, Ordering::AcqRel);
+            return Err(E::from(backend(
+                "database or disk is full (a test fault: refuse_writes_for_test)",
+            )));
+        }
         let (reply, answer) = oneshot::channel::<Result<T, E>>();
         let job: WriteJob = Box::new(move |conn, now| {
             let result = match conn {
@@ -265,6 +278,19 @@ impl SqliteStore {
             .map_err(|_| backend("the SQLite writer thread has stopped"))?;
         held.await
             .map_err(|_| backend("the SQLite writer dropped the hold"))
+    }
+
+    /// Test hook: while `refuse` holds, every write of this handle fails as
+    /// on a full disk ("database or disk is full"); reads still work.
+    #[doc(hidden)]
+    pub fn refuse_writes_for_test(&self, refuse: bool) {
+        self.inner.refuse_writes.store(refuse, Ordering::Release);
+    }
+
+    /// Test hook: how many writes [`Self::refuse_writes_for_test`] refused.
+    #[doc(hidden)]
+    pub fn refused_writes_for_test(&self) -> u64 {
+        self.inner.refused_writes.load(Ordering::Acquire)
     }
 }
 
