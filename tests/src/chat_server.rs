@@ -98,13 +98,19 @@ pub enum Reply {
     Truncated { transcript: String },
     /// An error status with an OpenAI-style error body.
     Error { status: u16, message: String },
+    /// An error status with a `Retry-After` header, as a rate limit sends.
+    Refused { status: u16, retry_after: String },
 }
 
 /// A request the server received.
 #[derive(Clone, Debug)]
 pub struct ReceivedRequest {
     pub authorization: Option<String>,
+    /// Every header, by lower-case name.
+    pub headers: std::collections::BTreeMap<String, String>,
     pub body: Value,
+    /// When it arrived.
+    pub at: std::time::Instant,
 }
 
 #[derive(Default)]
@@ -209,7 +215,17 @@ async fn complete(
                 .get(header::AUTHORIZATION)
                 .and_then(|v| v.to_str().ok())
                 .map(str::to_string),
+            headers: headers
+                .iter()
+                .map(|(name, value)| {
+                    (
+                        name.as_str().to_string(),
+                        String::from_utf8_lossy(value.as_bytes()).into_owned(),
+                    )
+                })
+                .collect(),
             body,
+            at: std::time::Instant::now(),
         });
     }
     let reply = state.replies.lock().ok().and_then(|mut r| r.pop_front());
@@ -225,6 +241,17 @@ async fn complete(
             StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
             axum::Json(serde_json::json!({
                 "error": {"message": message, "type": "invalid_request_error"}
+            })),
+        )
+            .into_response(),
+        Some(Reply::Refused {
+            status,
+            retry_after,
+        }) => (
+            StatusCode::from_u16(status).unwrap_or(StatusCode::TOO_MANY_REQUESTS),
+            [(header::RETRY_AFTER, retry_after)],
+            axum::Json(serde_json::json!({
+                "error": {"message": "Rate limit reached", "type": "requests"}
             })),
         )
             .into_response(),

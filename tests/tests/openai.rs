@@ -10,7 +10,7 @@ use dexa::plugin::wit::{
     MessageRole, ModelError, ModelMessage, ModelRequest, ModelResponse, ToolSpec,
 };
 use dexa::plugin::{EventWriter, GuestEvent, ModelProvider};
-use dexa::providers::{OpenAiConfig, OpenAiProvider};
+use dexa::providers::{OpenAiConfig, OpenAiProvider, RetryPolicy};
 use dexa_tests::chat_server::{openai_fixture, ReceivedRequest, ReplayChatServer, Reply};
 use dexa_tests::kit::wait_for_turns;
 use dexa_tests::session::last_text;
@@ -44,10 +44,19 @@ async fn complete(
     server: &ReplayChatServer,
     request: ModelRequest,
 ) -> (Result<ModelResponse, ModelError>, Vec<String>) {
-    let provider = OpenAiProvider::new(
+    complete_with(
         OpenAiConfig::new(&server.base_url, "gpt-4o-mini").api_key("sk-test-key"),
+        request,
     )
-    .unwrap();
+    .await
+}
+
+/// Calls a provider of `config` once.
+async fn complete_with(
+    config: OpenAiConfig,
+    request: ModelRequest,
+) -> (Result<ModelResponse, ModelError>, Vec<String>) {
+    let provider = OpenAiProvider::new(config).unwrap();
     let sink = Arc::new(CollectingEvents::default());
     let writer = EventWriter::new(step_tag("s1", "turn-1", "x1", 1), sink.clone(), 1 << 20);
     let result = provider.complete(request, &writer).await;
@@ -215,8 +224,17 @@ async fn errors_are_typed_rejected_or_transient() {
             matches!(e, ModelError::Transient(_))
         }),
     ];
+    // Each answer once: no retry within the call (see the retry tests).
+    let once = RetryPolicy {
+        retries: 0,
+        ..RetryPolicy::default()
+    };
     for (needle, kind) in expect {
-        let (result, _) = complete(&server, request(Vec::new())).await;
+        let (result, _) = complete_with(
+            OpenAiConfig::new(&server.base_url, "gpt-4o-mini").retry(once.clone()),
+            request(Vec::new()),
+        )
+        .await;
         let err = match result {
             Ok(response) => panic!("{needle}: got {response:?}"),
             Err(err) => err,
@@ -316,4 +334,182 @@ async fn a_session_runs_on_the_openai_provider_named_in_dexa_toml() {
         .filter_map(|e| e.data["text"].as_str().map(str::to_string))
         .collect();
     assert_eq!(deltas.concat(), "You have two open tickets.");
+}
+
+fn text_stream() -> Reply {
+    Reply::Stream {
+        transcript: openai_fixture("text.sse"),
+        piece: 16,
+    }
+}
+
+fn rate_limited(retry_after: &str) -> Reply {
+    Reply::Refused {
+        status: 429,
+        retry_after: retry_after.to_string(),
+    }
+}
+
+#[tokio::test]
+async fn a_429_with_retry_after_1_waits_a_second_within_the_attempt_and_succeeds() {
+    let server = ReplayChatServer::start(vec![rate_limited("1"), text_stream()]).await;
+    let (result, deltas) = complete(&server, request(Vec::new())).await;
+    let response = result.unwrap_or_else(|err| panic!("{err:?}"));
+    assert_eq!(
+        response.message.content.as_deref(),
+        Some("You have two open tickets.")
+    );
+    assert_eq!(deltas.concat(), "You have two open tickets.");
+    let sent = server.requests();
+    assert_eq!(sent.len(), 2, "asked again once");
+    let waited = sent[1].at.duration_since(sent[0].at);
+    assert!(
+        waited >= Duration::from_secs(1),
+        "the second request came {waited:?} after the first, before Retry-After"
+    );
+    assert_eq!(sent[0].body, sent[1].body, "the same request again");
+}
+
+#[tokio::test]
+async fn server_faults_without_retry_after_are_asked_again_after_a_back_off() {
+    let fault = |status| Reply::Error {
+        status,
+        message: "upstream connect error".into(),
+    };
+    let server = ReplayChatServer::start(vec![fault(503), fault(502), text_stream()]).await;
+    let (result, _) = complete(&server, request(Vec::new())).await;
+    assert!(result.is_ok(), "{result:?}");
+    let sent = server.requests();
+    assert_eq!(sent.len(), 3);
+    // 500 ms doubled, each spread over its upper half.
+    assert!(sent[1].at.duration_since(sent[0].at) >= Duration::from_millis(250));
+    assert!(sent[2].at.duration_since(sent[1].at) >= Duration::from_millis(500));
+}
+
+#[tokio::test]
+async fn retries_run_out_and_a_long_retry_after_fails_the_call_at_once_as_transient() {
+    let policy = RetryPolicy {
+        retries: 1,
+        max_wait: Duration::from_secs(5),
+    };
+    let fault = Reply::Error {
+        status: 500,
+        message: "internal".into(),
+    };
+    let server = ReplayChatServer::start(vec![fault.clone(), fault, text_stream()]).await;
+    let config = OpenAiConfig::new(&server.base_url, "m").retry(policy.clone());
+    match complete_with(config, request(Vec::new())).await.0 {
+        Err(ModelError::Transient(message)) => {
+            assert!(message.contains("gave up after 2 request(s)"), "{message}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(server.requests().len(), 2);
+
+    // Longer than max_retry_wait: the Step's retry policy takes over.
+    let server = ReplayChatServer::start(vec![rate_limited("3600"), text_stream()]).await;
+    let config = OpenAiConfig::new(&server.base_url, "m").retry(policy);
+    match complete_with(config, request(Vec::new())).await.0 {
+        Err(ModelError::Transient(message)) => {
+            assert!(message.contains("wait 3600 s"), "{message}");
+            assert!(message.contains("max_retry_wait"), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(server.requests().len(), 1);
+
+    // A refusal is not asked again.
+    let server = ReplayChatServer::start(vec![
+        Reply::Error {
+            status: 401,
+            message: "Incorrect API key provided".into(),
+        },
+        text_stream(),
+    ])
+    .await;
+    let (result, _) = complete(&server, request(Vec::new())).await;
+    assert!(matches!(result, Err(ModelError::Rejected(_))), "{result:?}");
+    assert_eq!(server.requests().len(), 1);
+}
+
+/// Gateways and Azure OpenAI's `api-key`: headers from dexa.toml (a secret
+/// from the environment) reach the provider, with the retry settings; a
+/// header that cannot be sent is refused at load with its line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dexa_toml_headers_and_retry_settings_reach_the_provider() {
+    let server = ReplayChatServer::start(vec![rate_limited("1"), text_stream()]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let script = json!({"turns": [{"steps": [{"model": true}]}]}).to_string();
+    let config_text = |headers: &str| {
+        format!(
+            "store = \"sqlite:store.sqlite\"\ncache_dir = {cache:?}\n\
+             [components.runner]\npath = {runner:?}\nconfig = {{ script = {script:?} }}\n\
+             [models.azure]\nprovider = \"openai\"\nbase_url = {base:?}\nmodel = \"gpt-4o-mini\"\n\
+             headers = {headers}\nretries = 2\nmax_retry_wait = \"3s\"\n\
+             [agents.Helpdesk]\nrunner = \"runner\"\nmodel = \"azure\"\n",
+            cache = repo_root().join("target").join("test-component-cache"),
+            runner = guest_wasm("scripted-runner"),
+            base = server.base_url,
+        )
+    };
+    let path = dir.path().join("dexa.toml");
+    std::fs::write(&path, config_text("{ \"bad name\" = \"x\" }")).unwrap();
+    let err = DexaConfig::load(&path).map(|_| ()).unwrap_err().to_string();
+    assert!(
+        err.contains("dexa.toml:") && err.contains("\"bad name\" is not a valid header name"),
+        "{err}"
+    );
+    // cargo gives test processes CARGO_PKG_NAME: a variable that is set.
+    let secret = std::env::var("CARGO_PKG_NAME").unwrap();
+    std::fs::write(
+        &path,
+        config_text("{ \"api-key\" = \"${CARGO_PKG_NAME}\", \"x-gateway\" = \"team-a\" }"),
+    )
+    .unwrap();
+    let config = DexaConfig::load(&path).unwrap_or_else(|err| panic!("{err}"));
+    let model = &config.models["azure"];
+    assert!(
+        !format!("{model:?}").contains(&secret),
+        "the parsed config keeps `${{VAR}}`, not the secret: {model:?}"
+    );
+    let deployment = Deployment::for_workers(config, &|_| {}).await.unwrap();
+    let worker = tokio::spawn(deployment.worker().run(std::future::pending()));
+    let sessions = deployment.sessions("Helpdesk").unwrap();
+    sessions.start_session("s1", "How many?").await.unwrap();
+    let snapshot =
+        tokio::time::timeout(Duration::from_secs(30), wait_for_turns(&sessions, "s1", 1))
+            .await
+            .unwrap();
+    worker.abort();
+    assert_eq!(
+        last_text(&snapshot).as_deref(),
+        Some("You have two open tickets.")
+    );
+    let sent = server.requests();
+    assert_eq!(sent.len(), 2, "the 429 was asked again within the attempt");
+    for request in &sent {
+        assert_eq!(request.headers.get("api-key"), Some(&secret));
+        assert_eq!(
+            request.headers.get("x-gateway").map(String::as_str),
+            Some("team-a")
+        );
+        assert_eq!(request.authorization, None, "no api_key_env, no bearer");
+    }
+    let history = deployment
+        .store
+        .step_history("s1")
+        .await
+        .unwrap_or_default();
+    let model_attempts = history
+        .iter()
+        .filter(|e| e.step_type == dexa::session::step::RUN_MODEL)
+        .filter(|e| e.event_type == dexa::flow::history::EXECUTE_COMPLETED)
+        .count();
+    assert_eq!(model_attempts, 1, "one attempt: {history:?}");
+    assert!(
+        history
+            .iter()
+            .all(|e| e.event_type != dexa::flow::history::EXECUTE_FAILED),
+        "no attempt failed: {history:?}"
+    );
 }

@@ -389,8 +389,16 @@ fn model_provider(
             base_url,
             model,
             api_key_env,
+            headers,
+            retry,
         } => {
-            let mut openai = OpenAiConfig::new(base_url.clone(), model.clone());
+            let mut openai =
+                OpenAiConfig::new(base_url.clone(), model.clone()).retry(retry.clone());
+            for (header, value) in headers {
+                let value = super::expand_env(value)
+                    .map_err(|m| config.error(format!("model {name:?}: header {header}: {m}")))?;
+                openai = openai.header(header.clone(), value);
+            }
             if let Some(var) = api_key_env {
                 let key = std::env::var(var).map_err(|_| {
                     config.error(format!(

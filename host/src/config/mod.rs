@@ -51,6 +51,7 @@ use toml::Spanned;
 
 use crate::flow::WorkerOptions;
 use crate::plugin::{ComponentLimits, DirAccess, DirGrant, HttpAuthority};
+use crate::providers::RetryPolicy;
 use crate::session::{AgentSessionOptions, ToolEffect, ToolPolicy, TurnLimits};
 use crate::store::sqlite::SqliteOptions;
 
@@ -160,7 +161,22 @@ pub enum ModelConfig {
         model: String,
         /// The environment variable holding the key; none sends no key.
         api_key_env: Option<String>,
+        /// Headers sent with every request, as written: `${VAR}` in a value
+        /// is expanded when the provider is made, so that a secret never
+        /// sits in the parsed config.
+        headers: Vec<(String, String)>,
+        /// How a 429 or a 5xx is asked again within one call.
+        retry: RetryPolicy,
     },
+}
+
+/// Refuses a header a request could not carry.
+fn check_header(name: &str, value: &str) -> Result<(), String> {
+    reqwest::header::HeaderName::from_bytes(name.as_bytes())
+        .map_err(|_| format!("{name:?} is not a valid header name"))?;
+    reqwest::header::HeaderValue::from_str(value)
+        .map_err(|_| format!("header {name}: its value is not a valid header value"))?;
+    Ok(())
 }
 
 /// Where `provider = "openai"` goes when no `base_url` is given.
@@ -307,6 +323,12 @@ enum RawModel {
         base_url: Option<String>,
         model: String,
         api_key_env: Option<String>,
+        #[serde(default)]
+        headers: BTreeMap<String, String>,
+        retries: Option<u32>,
+        // Not `Spanned`: serde buffers a tagged enum's fields, which loses
+        // spans; errors point at the model's table.
+        max_retry_wait: Option<String>,
     },
 }
 
@@ -556,6 +578,9 @@ impl DexaConfig {
                     base_url,
                     model: model_name,
                     api_key_env,
+                    headers,
+                    retries,
+                    max_retry_wait,
                 } => {
                     let expand = |v: &str| {
                         expand_env(v)
@@ -573,10 +598,36 @@ impl DexaConfig {
                     if model_name.trim().is_empty() {
                         return Err(loc.at(model.span(), format!("model {name:?}: model is empty")));
                     }
+                    for (header, value) in headers {
+                        // Checked now, expanded again (unlogged) when the
+                        // provider is made.
+                        let value = expand(value)?;
+                        check_header(header, &value)
+                            .map_err(|m| loc.at(model.span(), format!("model {name:?}: {m}")))?;
+                    }
+                    let mut retry = RetryPolicy::default();
+                    if let Some(retries) = retries {
+                        retry.retries = *retries;
+                    }
+                    if let Some(wait) = max_retry_wait {
+                        retry.max_wait = humantime::parse_duration(wait).map_err(|err| {
+                            loc.at(
+                                model.span(),
+                                format!(
+                                    "model {name:?}: max_retry_wait: {wait:?} is not a duration like \"30s\": {err}"
+                                ),
+                            )
+                        })?;
+                    }
                     ModelConfig::OpenAi {
                         base_url: base_url.to_string(),
                         model: model_name,
                         api_key_env: api_key_env.clone(),
+                        headers: headers
+                            .iter()
+                            .map(|(n, v)| (n.clone(), v.clone()))
+                            .collect(),
+                        retry,
                     }
                 }
             };

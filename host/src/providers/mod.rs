@@ -3,5 +3,7 @@
 //! ([`crate::plugin::ScriptedModelProvider`]).
 
 pub mod openai;
+pub mod retry;
 
 pub use openai::{OpenAiConfig, OpenAiProvider};
+pub use retry::RetryPolicy;

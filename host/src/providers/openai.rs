@@ -11,6 +11,9 @@ use futures_util::StreamExt;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
+
+use super::retry::{self, RetryPolicy};
 use crate::plugin::factors::model::ModelFuture;
 use crate::plugin::wit::{
     MessageRole, ModelError, ModelMessage, ModelRequest, ModelResponse, ModelToolCall, Usage,
@@ -21,7 +24,7 @@ use crate::plugin::{EventWriter, GuestEvent, ModelProvider};
 pub const MAX_RESPONSE_BYTES: usize = 8 << 20;
 
 /// Where the provider is and which model it runs.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct OpenAiConfig {
     /// Up to and including `/v1`, for example `https://api.openai.com/v1`.
     pub base_url: String,
@@ -30,6 +33,26 @@ pub struct OpenAiConfig {
     pub model: String,
     /// The longest wait for the next piece of the stream.
     pub idle_timeout: Duration,
+    /// Sent with every request: a gateway's own headers, or Azure OpenAI's
+    /// `api-key` in place of the bearer token.
+    pub headers: Vec<(String, String)>,
+    /// How a 429 or a 5xx is asked again within the call.
+    pub retry: RetryPolicy,
+}
+
+impl std::fmt::Debug for OpenAiConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Header values and the key are secrets as often as not.
+        let header_names: Vec<&str> = self.headers.iter().map(|(n, _)| n.as_str()).collect();
+        f.debug_struct("OpenAiConfig")
+            .field("base_url", &self.base_url)
+            .field("api_key", &self.api_key.as_ref().map(|_| "<set>"))
+            .field("model", &self.model)
+            .field("idle_timeout", &self.idle_timeout)
+            .field("headers", &header_names)
+            .field("retry", &self.retry)
+            .finish()
+    }
 }
 
 impl OpenAiConfig {
@@ -39,7 +62,20 @@ impl OpenAiConfig {
             api_key: None,
             model: model.into(),
             idle_timeout: Duration::from_secs(120),
+            headers: Vec::new(),
+            retry: RetryPolicy::default(),
         }
+    }
+
+    /// Adds a header sent with every request.
+    pub fn header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.headers.push((name.into(), value.into()));
+        self
+    }
+
+    pub fn retry(mut self, retry: RetryPolicy) -> Self {
+        self.retry = retry;
+        self
     }
 
     pub fn api_key(mut self, key: impl Into<String>) -> Self {
@@ -72,8 +108,20 @@ impl OpenAiProvider {
             base.starts_with("http://") || base.starts_with("https://"),
             "the model base URL {base:?} must start with http:// or https://"
         );
+        let mut headers = HeaderMap::new();
+        for (name, value) in &config.headers {
+            let name = HeaderName::from_bytes(name.as_bytes())
+                .map_err(|err| anyhow::anyhow!("header name {name:?}: {err}"))?;
+            // The value may be a secret: never repeat it.
+            let mut value = HeaderValue::from_str(value).map_err(|_| {
+                anyhow::anyhow!("header {name}: its value is not a valid header value")
+            })?;
+            value.set_sensitive(true);
+            headers.append(name, value);
+        }
         let http = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(10))
+            .default_headers(headers)
             .build()?;
         Ok(Self {
             url: format!("{base}/chat/completions"),
@@ -87,10 +135,45 @@ impl OpenAiProvider {
         request: ModelRequest,
         events: &EventWriter,
     ) -> Result<ModelResponse, ModelError> {
-        let mut call = self
-            .http
-            .post(&self.url)
-            .json(&request_body(&self.config, &request));
+        let body = request_body(&self.config, &request);
+        let mut failures = 0u32;
+        loop {
+            let refusal = match self.send(&body).await {
+                Ok(response) => return self.read_stream(response, events).await,
+                Err(refusal) => refusal,
+            };
+            let Refusal {
+                error,
+                status,
+                asked,
+            } = refusal;
+            if !status.is_some_and(retry::retryable) {
+                return Err(error);
+            }
+            failures = failures.saturating_add(1);
+            let wait = match self.config.retry.wait(failures, asked) {
+                Ok(wait) => wait,
+                Err(why) => {
+                    return Err(ModelError::Transient(format!(
+                        "{}; {why}",
+                        error_text(&error)
+                    )))
+                }
+            };
+            tracing::info!(
+                url = %self.url,
+                failures,
+                wait_ms = wait.as_millis() as u64,
+                error = %error_text(&error),
+                "the model provider refused the request; asking again after the wait"
+            );
+            tokio::time::sleep(wait).await;
+        }
+    }
+
+    /// Sends the request; an answer other than a success is a [`Refusal`].
+    async fn send(&self, body: &Value) -> Result<reqwest::Response, Refusal> {
+        let mut call = self.http.post(&self.url).json(body);
         if let Some(key) = &self.config.api_key {
             call = call.bearer_auth(key);
         }
@@ -98,11 +181,20 @@ impl OpenAiProvider {
         let response = tokio::time::timeout(idle, call.send())
             .await
             .map_err(|_| {
-                ModelError::Transient(format!("{} did not answer within {idle:?}", self.url))
+                Refusal::unanswered(ModelError::Transient(format!(
+                    "{} did not answer within {idle:?}",
+                    self.url
+                )))
             })?
-            .map_err(|err| ModelError::Transient(format!("cannot reach {}: {err}", self.url)))?;
+            .map_err(|err| {
+                Refusal::unanswered(ModelError::Transient(format!(
+                    "cannot reach {}: {err}",
+                    self.url
+                )))
+            })?;
         let status = response.status();
         if !status.is_success() {
+            let asked = retry::retry_after(response.headers());
             // Only the start of an error body matters, and only for so long.
             let body = tokio::time::timeout(idle, response.bytes())
                 .await
@@ -111,16 +203,27 @@ impl OpenAiProvider {
                 .map(|b| String::from_utf8_lossy(&b[..b.len().min(64 << 10)]).into_owned())
                 .unwrap_or_default();
             let message = format!("{} answered {status}: {}", self.url, error_message(&body));
-            let retryable = status.is_server_error()
-                || status == reqwest::StatusCode::TOO_MANY_REQUESTS
-                || status == reqwest::StatusCode::REQUEST_TIMEOUT
-                || status == reqwest::StatusCode::CONFLICT;
-            return Err(if retryable {
-                ModelError::Transient(message)
-            } else {
-                ModelError::Rejected(message)
+            let transient = retry::retryable(status) || status == reqwest::StatusCode::CONFLICT;
+            return Err(Refusal {
+                error: if transient {
+                    ModelError::Transient(message)
+                } else {
+                    ModelError::Rejected(message)
+                },
+                status: Some(status),
+                asked,
             });
         }
+        Ok(response)
+    }
+
+    /// Reads the answer's event stream into the response, writing text
+    /// deltas to the call's events as they come.
+    async fn read_stream(
+        &self,
+        response: reqwest::Response,
+        events: &EventWriter,
+    ) -> Result<ModelResponse, ModelError> {
         let mut stream = response.bytes_stream().eventsource();
         let mut assembly = Assembly::default();
         loop {
@@ -161,6 +264,31 @@ impl OpenAiProvider {
             }
         }
         assembly.finish()
+    }
+}
+
+/// A request that got no success: its error, the status (none when no
+/// answer came) and the wait the provider asked for.
+struct Refusal {
+    error: ModelError,
+    status: Option<reqwest::StatusCode>,
+    asked: Option<Duration>,
+}
+
+impl Refusal {
+    fn unanswered(error: ModelError) -> Self {
+        Self {
+            error,
+            status: None,
+            asked: None,
+        }
+    }
+}
+
+fn error_text(error: &ModelError) -> &str {
+    match error {
+        ModelError::Transient(text) | ModelError::Rejected(text) => text,
+        _ => "",
     }
 }
 
