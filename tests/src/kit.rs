@@ -142,6 +142,34 @@ impl WorkerProcess {
     pub fn exit_status(&mut self) -> Option<std::process::ExitStatus> {
         self.child.try_wait().ok().flatten()
     }
+
+    /// SIGTERM to the worker alone, as a rolling restart sends: it drains.
+    pub fn terminate(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            // SAFETY: kill(2) with the child's own pid, which it still has
+            // (not yet reaped).
+            unsafe {
+                libc::kill(self.child.id() as i32, libc::SIGTERM);
+            }
+        }
+    }
+
+    /// Waits up to `deadline` for the worker to exit; its status if it did.
+    pub async fn wait_for_exit(
+        &mut self,
+        deadline: std::time::Duration,
+    ) -> Option<std::process::ExitStatus> {
+        let started = std::time::Instant::now();
+        loop {
+            if let Some(status) = self.exit_status() {
+                return Some(status);
+            }
+            if started.elapsed() >= deadline {
+                return None;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    }
 }
 
 impl Drop for WorkerProcess {

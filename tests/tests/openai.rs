@@ -453,12 +453,58 @@ async fn dexa_toml_headers_and_retry_settings_reach_the_provider() {
         )
     };
     let path = dir.path().join("dexa.toml");
-    std::fs::write(&path, config_text("{ \"bad name\" = \"x\" }")).unwrap();
-    let err = DexaConfig::load(&path).map(|_| ()).unwrap_err().to_string();
-    assert!(
-        err.contains("dexa.toml:") && err.contains("\"bad name\" is not a valid header name"),
-        "{err}"
-    );
+    let refused = [
+        (
+            "{ \"bad name\" = \"x\" }",
+            "\"bad name\" is not a valid header name",
+        ),
+        (
+            "{ \"x\" = \"a\\r\\nb\" }",
+            "header x: its value is not a valid header value",
+        ),
+        (
+            "{ \"Content-Type\" = \"text/plain\" }",
+            "is set by the provider itself",
+        ),
+        (
+            "{ \"X-Team\" = \"a\", \"x-team\" = \"b\" }",
+            "is given twice",
+        ),
+    ];
+    for (headers, why) in refused {
+        std::fs::write(&path, config_text(headers)).unwrap();
+        let err = DexaConfig::load(&path).map(|_| ()).unwrap_err().to_string();
+        assert!(
+            err.contains("dexa.toml:") && err.contains(why),
+            "{headers}: {err}"
+        );
+    }
+    for (from, to, why) in [
+        ("retries = 2", "retries = 11", "retries is at most 10"),
+        (
+            "max_retry_wait = \"3s\"",
+            "max_retry_wait = \"0s\"",
+            "max_retry_wait is at least 1s",
+        ),
+    ] {
+        std::fs::write(&path, config_text("{}").replace(from, to)).unwrap();
+        let err = DexaConfig::load(&path).map(|_| ()).unwrap_err().to_string();
+        assert!(err.contains(why), "{to}: {err}");
+    }
+    // A header whose variable is unset fails where the provider is made,
+    // without repeating the value; a client of the file never needs it.
+    std::fs::write(
+        &path,
+        config_text("{ \"api-key\" = \"sk-literal-part-${DEXA_TEST_UNSET_VARIABLE}\" }"),
+    )
+    .unwrap();
+    let config = DexaConfig::load(&path).unwrap_or_else(|err| panic!("{err}"));
+    let err = match Deployment::for_workers(config, &|_| {}).await {
+        Ok(_) => panic!("made a provider without the header's variable"),
+        Err(err) => format!("{err:#}"),
+    };
+    assert!(err.contains("header api-key"), "{err}");
+    assert!(!err.contains("sk-literal-part"), "{err}");
     // cargo gives test processes CARGO_PKG_NAME: a variable that is set.
     let secret = std::env::var("CARGO_PKG_NAME").unwrap();
     std::fs::write(

@@ -63,6 +63,8 @@ pub struct ApiState {
     /// The sandbox engine that verifies versions before activation, made on
     /// first use.
     engine: versions::EngineCell,
+    /// `/readyz`'s last look at the store.
+    ready: Arc<ready::ReadyCache>,
 }
 
 impl ApiState {
@@ -71,6 +73,7 @@ impl ApiState {
             deployment,
             token,
             engine: Default::default(),
+            ready: Default::default(),
         }
     }
 }

@@ -86,8 +86,26 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         options.max_concurrent_tasks,
         deployment.config.store.describe()
     );
-    deployment.worker_with(options).run(shutdown_signal()).await;
-    eprintln!("worker stopped; Steps it was running are delivered again when their leases run out");
+    let drain = options.drain;
+    let run = deployment.worker_with(options).run(async {
+        shutdown_signal().await;
+        eprintln!(
+            "worker stopping: claiming nothing more; the running Steps have {} to finish \
+             (a second signal stops at once)",
+            humantime::format_duration(drain)
+        );
+    });
+    tokio::select! {
+        () = run => eprintln!("worker stopped"),
+        () = async {
+            // The first signal starts the drain (the worker sees it too).
+            shutdown_signal().await;
+            shutdown_signal().await;
+        } => eprintln!(
+            "worker stopped without waiting for its Steps; they are delivered again when their \
+             leases run out"
+        ),
+    }
     Ok(())
 }
 

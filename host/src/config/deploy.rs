@@ -395,8 +395,14 @@ fn model_provider(
             let mut openai =
                 OpenAiConfig::new(base_url.clone(), model.clone()).retry(retry.clone());
             for (header, value) in headers {
-                let value = super::expand_env(value)
-                    .map_err(|m| config.error(format!("model {name:?}: header {header}: {m}")))?;
+                // The message names no part of the value: it may hold a
+                // secret around its `${VAR}`.
+                let value = super::expand_env(value).map_err(|_| {
+                    config.error(format!(
+                        "model {name:?}: header {header}: a `${{VAR}}` in its value names an \
+                         environment variable that is not set, or is malformed"
+                    ))
+                })?;
                 openai = openai.header(header.clone(), value);
             }
             if let Some(var) = api_key_env {

@@ -110,6 +110,8 @@ pub struct WorkerConfig {
     pub lease: Duration,
     pub poll_interval: Duration,
     pub reap_interval: Duration,
+    /// How long a stopping worker lets its running Steps finish.
+    pub drain: Duration,
 }
 
 impl WorkerConfig {
@@ -119,6 +121,7 @@ impl WorkerConfig {
             lease: self.lease,
             poll_interval: self.poll_interval,
             reap_interval: self.reap_interval,
+            drain: self.drain,
             ..WorkerOptions::default()
         }
     }
@@ -170,12 +173,43 @@ pub enum ModelConfig {
     },
 }
 
-/// Refuses a header a request could not carry.
-fn check_header(name: &str, value: &str) -> Result<(), String> {
-    reqwest::header::HeaderName::from_bytes(name.as_bytes())
-        .map_err(|_| format!("{name:?} is not a valid header name"))?;
-    reqwest::header::HeaderValue::from_str(value)
-        .map_err(|_| format!("header {name}: its value is not a valid header value"))?;
+/// The most retries a model may make within one call.
+const MAX_MODEL_RETRIES: u32 = 10;
+
+/// Headers the provider sets itself or that frame the request.
+const RESERVED_HEADERS: [&str; 6] = [
+    "content-type",
+    "content-length",
+    "transfer-encoding",
+    "host",
+    "connection",
+    "accept",
+];
+
+/// Refuses headers a request could not carry or that would be dropped or
+/// break it: an invalid name or value, one the provider sets itself, a
+/// name given twice (names are case-insensitive), and `authorization`
+/// beside `api_key_env`. A value is checked as written; its `${VAR}`s are
+/// expanded when the provider is made.
+fn check_headers(headers: &BTreeMap<String, String>, has_key: bool) -> Result<(), String> {
+    let mut seen = std::collections::BTreeSet::new();
+    for (name, value) in headers {
+        let parsed = reqwest::header::HeaderName::from_bytes(name.as_bytes())
+            .map_err(|_| format!("{name:?} is not a valid header name"))?;
+        if RESERVED_HEADERS.contains(&parsed.as_str()) {
+            return Err(format!("header {name:?} is set by the provider itself"));
+        }
+        if parsed == reqwest::header::AUTHORIZATION && has_key {
+            return Err(
+                "header \"authorization\" and api_key_env both set it; keep one".to_string(),
+            );
+        }
+        if !seen.insert(parsed.as_str().to_string()) {
+            return Err(format!("header {name:?} is given twice"));
+        }
+        reqwest::header::HeaderValue::from_str(value)
+            .map_err(|_| format!("header {name}: its value is not a valid header value"))?;
+    }
     Ok(())
 }
 
@@ -216,6 +250,7 @@ struct RawWorker {
     lease: Option<Spanned<String>>,
     poll_interval: Option<Spanned<String>>,
     reap_interval: Option<Spanned<String>>,
+    drain: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -429,6 +464,10 @@ impl DexaConfig {
                 "worker.reap_interval",
                 defaults.reap_interval,
             )?,
+            drain: match &raw.worker.drain {
+                Some(drain) => loc.duration(drain, "worker.drain")?,
+                None => defaults.drain,
+            },
         };
 
         // Roles come from the agents; a component used both ways is refused.
@@ -598,15 +637,18 @@ impl DexaConfig {
                     if model_name.trim().is_empty() {
                         return Err(loc.at(model.span(), format!("model {name:?}: model is empty")));
                     }
-                    for (header, value) in headers {
-                        // Checked now, expanded again (unlogged) when the
-                        // provider is made.
-                        let value = expand(value)?;
-                        check_header(header, &value)
-                            .map_err(|m| loc.at(model.span(), format!("model {name:?}: {m}")))?;
-                    }
+                    // Expanded only where the provider is made (a worker), so
+                    // that clients of the same file need not hold the secret.
+                    check_headers(headers, api_key_env.is_some())
+                        .map_err(|m| loc.at(model.span(), format!("model {name:?}: {m}")))?;
                     let mut retry = RetryPolicy::default();
                     if let Some(retries) = retries {
+                        if *retries > MAX_MODEL_RETRIES {
+                            return Err(loc.at(
+                                model.span(),
+                                format!("model {name:?}: retries is at most {MAX_MODEL_RETRIES}"),
+                            ));
+                        }
                         retry.retries = *retries;
                     }
                     if let Some(wait) = max_retry_wait {
@@ -618,6 +660,14 @@ impl DexaConfig {
                                 ),
                             )
                         })?;
+                        if retry.max_wait < Duration::from_secs(1) {
+                            return Err(loc.at(
+                                model.span(),
+                                format!(
+                                    "model {name:?}: max_retry_wait is at least 1s (retries = 0 turns retries off)"
+                                ),
+                            ));
+                        }
                     }
                     ModelConfig::OpenAi {
                         base_url: base_url.to_string(),

@@ -7,11 +7,14 @@
 
 pub mod client;
 pub mod context;
+mod drain;
 pub mod outage;
 pub mod registry;
+mod renew;
 pub mod retry;
 mod revoke;
 pub mod store;
+mod supervise;
 pub mod types;
 pub mod worker;
 

@@ -11,8 +11,14 @@ use super::store::StoreError;
 /// The first wait after a failed store call.
 const FIRST_BACKOFF: Duration = Duration::from_millis(50);
 
-/// The longest wait between two tries of an unavailable store.
-pub const MAX_BACKOFF: Duration = Duration::from_secs(5);
+/// The longest wait between two tries of an unavailable store: also how
+/// late, at most, the worker notices that it is back.
+pub const MAX_BACKOFF: Duration = Duration::from_secs(2);
+
+/// The wait after an error that is not an outage (a corrupt row that fails
+/// every claim): the worker keeps trying, quietly, without claiming the
+/// store is down.
+const OTHER_ERROR_WAIT: Duration = Duration::from_secs(1);
 
 /// How often a long outage is logged again, so that a log that starts
 /// mid-outage still shows it.
@@ -72,11 +78,29 @@ impl Outage {
         }
     }
 
+    /// Whether an outage is under way.
+    pub(crate) fn active(&self) -> bool {
+        self.current.is_some()
+    }
+
     /// Records a failed store call of `what`; returns how long to wait before
     /// the next try (doubling from 50 ms up to [`MAX_BACKOFF`], with jitter so
-    /// that workers restarted together do not retry together).
+    /// that workers restarted together do not retry together). Only a store
+    /// that does not answer (a backend error) is an outage; another error
+    /// (a corrupt row) is logged as itself and waited on, and leaves the
+    /// store's health alone.
     pub(crate) fn failed(&mut self, what: &str, err: &StoreError) -> Duration {
         let now = Instant::now();
+        if !matches!(err, StoreError::Backend(_)) {
+            if self
+                .last_logged
+                .is_none_or(|at| now.duration_since(at) >= REMINDER)
+            {
+                tracing::warn!(worker = %self.worker, error = %err, during = what, "a store call failed");
+                self.last_logged = Some(now);
+            }
+            return OTHER_ERROR_WAIT;
+        }
         let (since, failures) = self.current.get_or_insert((now, 0));
         *failures = failures.saturating_add(1);
         let (since, failures) = (*since, *failures);
@@ -141,10 +165,10 @@ fn backoff(failures: u32) -> Duration {
     let nanos = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.subsec_nanos());
-    // Half fixed, half spread by the clock's nanoseconds (jitter needs no
-    // strong randomness).
+    // Half fixed, half spread by the clock's sub-second part (jitter needs
+    // no strong randomness).
     let half = full / 2;
-    half + half.mul_f64(f64::from(nanos % 1000) / 1000.0)
+    half + half.mul_f64(f64::from(nanos) / 1e9)
 }
 
 #[cfg(test)]
@@ -176,5 +200,11 @@ mod tests {
         assert!(health.available());
         outage.failed("claim", &err);
         assert_eq!(health.outages(), 2);
+        outage.answered();
+        // A corrupt row is no outage.
+        let wait = outage.failed("claim", &StoreError::Corrupt("bad row".into()));
+        assert_eq!(wait, OTHER_ERROR_WAIT);
+        assert!(health.available());
+        assert!(!outage.active());
     }
 }

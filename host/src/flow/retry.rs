@@ -16,6 +16,9 @@ pub enum AttemptError {
     },
     /// The worker went away after the Step had produced output.
     WorkerLost,
+    /// The worker shut down (its drain deadline passed) after the Step had
+    /// produced output.
+    WorkerStopped,
     /// The task was taken from its flow while the Step ran (a cancel): the
     /// Step was stopped, and there is nothing to retry or record.
     Taken,
@@ -33,6 +36,10 @@ impl AttemptError {
             }
             AttemptError::WorkerLost => {
                 "the worker was lost after the Step had started (its lease expired)".to_string()
+            }
+            AttemptError::WorkerStopped => {
+                "the worker shut down after the Step had started (its drain deadline passed)"
+                    .to_string()
             }
             AttemptError::Taken => {
                 "the task was taken from its flow while the Step ran; it was stopped".to_string()

@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -13,7 +14,7 @@ use super::outage::{Outage, StoreHealth};
 use super::registry::{Registry, StepError};
 use super::retry::{self, AttemptError};
 use super::store::{AttemptFailure, ClaimNext, FlowStore, StepCommit, StoreError};
-use super::types::{history, ClaimedTask, RetryPolicy, StepHistoryEntry, StepOutcome, StepResult};
+use super::types::{history, ClaimedTask, StepHistoryEntry, StepOutcome, StepResult};
 
 /// Called after a Step's commit with its task and the time from its claim to
 /// its commit (for metrics and benchmarks).
@@ -42,6 +43,9 @@ pub struct WorkerOptions {
     pub reap_pause: Duration,
     /// Where the worker says whether the store answers its claims.
     pub store_health: StoreHealth,
+    /// On shutdown, how long the running Steps may take to finish before
+    /// their leases are handed back to other workers (zero: at once).
+    pub drain: Duration,
 }
 
 impl std::fmt::Debug for WorkerOptions {
@@ -71,22 +75,28 @@ impl Default for WorkerOptions {
             on_step_committed: None,
             reap_pause: Duration::ZERO,
             store_health: StoreHealth::default(),
+            drain: DEFAULT_DRAIN,
         }
     }
 }
 
+/// How long a stopping worker lets its running Steps finish, by default.
+pub const DEFAULT_DRAIN: Duration = Duration::from_secs(30);
+
 /// How soon a busy worker looks again for Steps that fell due.
 const BUSY_RECHECK: Duration = Duration::from_millis(25);
 
-struct Held {
-    heartbeat: Heartbeat,
-    abort: Option<AbortHandle>,
+pub(super) struct Held {
+    pub(super) task: Arc<ClaimedTask>,
+    pub(super) heartbeat: Heartbeat,
+    /// Stops the Step's handler.
+    pub(super) abort: Option<AbortHandle>,
 }
 
 /// The Steps a worker runs, by task and lease token: a task redelivered to
 /// this same worker while its lapsed first run still winds down is held
 /// twice, and each run's renewal, abort and cleanup must reach only its own.
-type HeldTasks = Arc<Mutex<HashMap<(i64, i64), Held>>>;
+pub(super) type HeldTasks = Arc<Mutex<HashMap<(i64, i64), Held>>>;
 
 /// Runs the Steps of the registry's flow types.
 pub struct Worker {
@@ -104,13 +114,16 @@ impl Worker {
         }
     }
 
-    /// Works until `shutdown` resolves. Steps still running then are
-    /// abandoned: their leases run out and they are delivered again.
+    /// Works until `shutdown` resolves, then drains: claims nothing more,
+    /// lets the running Steps finish for up to [`WorkerOptions::drain`],
+    /// and hands back the leases of the rest (see `drain`).
     pub async fn run(self, shutdown: impl Future<Output = ()>) {
         let flow_types = self.registry.flow_type_names();
         let signal = self.store.work_signal();
         let held: HeldTasks = Arc::new(Mutex::new(HashMap::new()));
-        let renewal = tokio::spawn(renew_leases(
+        // Set on shutdown: a commit then leases no next Step with it.
+        let draining = Arc::new(AtomicBool::new(false));
+        let renewal = tokio::spawn(super::renew::renew_leases(
             self.store.clone(),
             self.options.clone(),
             held.clone(),
@@ -128,7 +141,7 @@ impl Worker {
             notified.as_mut().enable();
 
             if last_reap.is_none_or(|at| at.elapsed() >= self.options.reap_interval) {
-                self.reap(&flow_types, &mut outage).await;
+                self.reap(&flow_types, &outage).await;
                 last_reap = Some(Instant::now());
             }
             while running.try_join_next().is_some() {}
@@ -156,6 +169,7 @@ impl Worker {
                                 self.store.clone(),
                                 self.registry.clone(),
                                 held.clone(),
+                                draining.clone(),
                                 (task, since),
                                 self.options.on_step_committed.clone(),
                                 ClaimNext {
@@ -197,8 +211,16 @@ impl Worker {
                 Some(_) = running.join_next(), if !running.is_empty() => {}
             }
         }
+        draining.store(true, Ordering::Release);
+        super::drain::drain(
+            &self.store,
+            &self.registry,
+            &mut running,
+            &held,
+            self.options.drain,
+        )
+        .await;
         renewal.abort();
-        running.abort_all();
     }
 
     fn idle_cap(&self) -> Duration {
@@ -222,12 +244,17 @@ impl Worker {
 
     /// Hands the tasks of dead workers back: the same attempt when the Step
     /// had produced nothing, else the next attempt (or the failure route).
-    async fn reap(&self, flow_types: &[String], outage: &mut Outage) {
+    async fn reap(&self, flow_types: &[String], outage: &Outage) {
         let expired = match self.store.expired_leases(flow_types, 64).await {
             Ok(expired) => expired,
             Err(err) => {
-                // The claim that follows owes the back-off.
-                outage.failed("looking for expired leases", &err);
+                // The claims judge (and log) an outage; during one, the
+                // reap's failures are not logged again.
+                if outage.active() {
+                    tracing::debug!(error = %err, "looking for expired leases failed");
+                } else {
+                    tracing::warn!(error = %err, "looking for expired leases failed");
+                }
                 return;
             }
         };
@@ -266,72 +293,13 @@ impl Worker {
     }
 }
 
-/// Renews the worker's leases and records heartbeats as output.
-async fn renew_leases(store: Arc<dyn FlowStore>, options: WorkerOptions, held: HeldTasks) {
-    let every = (options.lease / 3).max(Duration::from_millis(20));
-    let lease_ms = options.lease.as_millis() as i64;
-    loop {
-        tokio::time::sleep(every).await;
-        let snapshot: Vec<((i64, i64), Heartbeat)> = match held.lock() {
-            Ok(held) => held
-                .iter()
-                .map(|(key, h)| (*key, h.heartbeat.clone()))
-                .collect(),
-            Err(_) => return,
-        };
-        if snapshot.is_empty() {
-            continue;
-        }
-        let pairs: Vec<(i64, i64)> = snapshot.iter().map(|(key, _)| *key).collect();
-        // Renew first: a lease that lapsed while the writer stalled (and was
-        // not reaped) is live again, so the heartbeats below can be recorded
-        // against it; recording first would be refused and leave the Step
-        // running with no output recorded.
-        let lost = match store
-            .renew_leases(&options.worker_id, &pairs, lease_ms)
-            .await
-        {
-            Ok(lost) => lost,
-            Err(err) => {
-                tracing::warn!(error = %err, "renewing leases failed");
-                Vec::new()
-            }
-        };
-        if let Ok(held) = held.lock() {
-            for (task_id, token) in &lost {
-                match held.get(&(*task_id, *token)) {
-                    Some(held) => {
-                        tracing::warn!(task_id, "lease lost; stopping the Step");
-                        if let Some(abort) = held.abort.as_ref() {
-                            abort.abort();
-                        }
-                    }
-                    // Committed (or failed) since the snapshot above: the
-                    // lease ended with it, and nothing was lost.
-                    None => tracing::debug!(task_id, "a lease ended while it was renewed"),
-                }
-            }
-        }
-        for ((task_id, token), heartbeat) in &snapshot {
-            if lost.contains(&(*task_id, *token)) || !heartbeat.take_unrecorded() {
-                continue;
-            }
-            if let Err(err) = store.record_output(*task_id, *token).await {
-                // Kept for the next round, when a renewal may make the
-                // record possible again.
-                heartbeat.mark_unrecorded();
-                tracing::debug!(task_id, error = %err, "recording a heartbeat failed");
-            }
-        }
-    }
-}
-
 /// Runs `task`, then, in the same slot, the flow's next task when its commit
 /// leased one to this worker.
 async fn run_task(
     store: Arc<dyn FlowStore>,
     registry: Arc<Registry>,
     held: HeldTasks,
+    draining: Arc<AtomicBool>,
     task: (ClaimedTask, u64),
     observer: Option<StepObserver>,
     claim_next: ClaimNext,
@@ -342,6 +310,7 @@ async fn run_task(
             &store,
             &registry,
             &held,
+            &draining,
             task,
             since,
             observer.as_ref(),
@@ -351,10 +320,12 @@ async fn run_task(
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn run_one(
     store: &Arc<dyn FlowStore>,
     registry: &Arc<Registry>,
     held: &HeldTasks,
+    draining: &AtomicBool,
     task: ClaimedTask,
     since: u64,
     observer: Option<&StepObserver>,
@@ -367,6 +338,7 @@ async fn run_one(
         held.insert(
             (task.task_id, task.lease_token),
             Held {
+                task: task.clone(),
                 heartbeat: heartbeat.clone(),
                 abort: None,
             },
@@ -393,7 +365,7 @@ async fn run_one(
                 }
             }
             let taken = super::revoke::lease_taken(store.clone(), task.clone(), since);
-            supervise(handle, &task.policy, &heartbeat, taken).await
+            super::supervise::supervise(handle, &task.policy, &heartbeat, taken).await
         }
     };
     let component = component.and_then(|ctx| ctx.component());
@@ -404,6 +376,15 @@ async fn run_one(
         Ok(step_result) => {
             // The commit may lease the flow's next task: read before it.
             let since = store.revocation_generation();
+            // A draining worker takes no next Step with the commit.
+            let claim_next = if draining.load(Ordering::Acquire) {
+                &ClaimNext {
+                    max: 0,
+                    ..claim_next.clone()
+                }
+            } else {
+                claim_next
+            };
             let claimed =
                 commit(store, registry, &task, step_result, claim_next, component).await?;
             if let Some(observer) = observer {
@@ -424,67 +405,6 @@ async fn run_one(
             fail(store, registry, &task, err, component).await;
             None
         }
-    }
-}
-
-/// Waits for the handler, enforcing the attempt and heartbeat deadlines.
-async fn supervise(
-    mut handle: tokio::task::JoinHandle<Result<StepResult, StepError>>,
-    policy: &RetryPolicy,
-    heartbeat: &Heartbeat,
-    taken: impl Future<Output = ()>,
-) -> Result<StepResult, AttemptError> {
-    tokio::pin!(taken);
-    let started = Instant::now();
-    let attempt_deadline = policy.attempt_timeout.map(|t| started + t);
-    loop {
-        let heartbeat_deadline = policy.heartbeat_timeout.map(|t| heartbeat.last_beat() + t);
-        let next = [attempt_deadline, heartbeat_deadline]
-            .into_iter()
-            .flatten()
-            .min();
-        let wake = next.unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
-        tokio::select! {
-            joined = &mut handle => {
-                return match joined {
-                    Ok(Ok(result)) => Ok(result),
-                    Ok(Err(err)) => Err(AttemptError::Step(err)),
-                    Err(err) if err.is_panic() => Err(AttemptError::Step(StepError::retryable(
-                        format!("the step handler panicked: {}", panic_message(err.into_panic())),
-                    ))),
-                    Err(_) => Err(AttemptError::Step(StepError::retryable("the step was cancelled"))),
-                };
-            }
-            () = &mut taken => {
-                handle.abort();
-                return Err(AttemptError::Taken);
-            }
-            _ = tokio::time::sleep_until(wake.into()) => {
-                let now = Instant::now();
-                if let (Some(deadline), Some(timeout)) = (attempt_deadline, policy.attempt_timeout) {
-                    if now >= deadline {
-                        handle.abort();
-                        return Err(AttemptError::AttemptTimeout { after_ms: timeout.as_millis() as u64 });
-                    }
-                }
-                if let Some(timeout) = policy.heartbeat_timeout {
-                    if now >= heartbeat.last_beat() + timeout {
-                        handle.abort();
-                        return Err(AttemptError::HeartbeatTimeout { after_ms: timeout.as_millis() as u64 });
-                    }
-                }
-            }
-        }
-    }
-}
-
-fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
-    if let Some(text) = payload.downcast_ref::<&str>() {
-        text.to_string()
-    } else if let Some(text) = payload.downcast_ref::<String>() {
-        text.clone()
-    } else {
-        "non-string panic".to_string()
     }
 }
 

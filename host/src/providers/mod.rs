@@ -3,6 +3,7 @@
 //! ([`crate::plugin::ScriptedModelProvider`]).
 
 pub mod openai;
+mod openai_stream;
 pub mod retry;
 
 pub use openai::{OpenAiConfig, OpenAiProvider};

@@ -84,7 +84,7 @@ fn backoff(failures: u32) -> Duration {
         .duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0, |d| d.subsec_nanos());
     let half = full / 2;
-    half + half.mul_f64(f64::from(nanos % 1000) / 1000.0)
+    half + half.mul_f64(f64::from(nanos) / 1e9)
 }
 
 #[cfg(test)]

@@ -7,7 +7,8 @@
 //! order): a commit without state writes is `BEGIN`, one pipeline (lock the
 //! flow, fence, record and remove in one statement, then insert the next
 //! tasks, claim the next) and `COMMIT`. State writes, which read what they write, run one at a
-//! time between the two halves, in the order the Step made them.
+//! time between the two halves: the Step's other writes in its order, then
+//! each stream's appends as one batch (see `crate::store::write_plan`).
 //!
 //! A sequential flow's next Step is inserted already leased to the
 //! committing worker when nothing else of the flow is running or due: what
