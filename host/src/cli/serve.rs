@@ -95,6 +95,13 @@ pub fn resolve_token(
     Ok((token, format!("the file {} (generated)", path.display())))
 }
 
+fn worker_abandoned() {
+    eprintln!(
+        "dexa serve: stopped without waiting for the worker's Steps; they are delivered again \
+         when their leases run out"
+    );
+}
+
 /// `.dexa/api-token` next to the config file.
 pub fn generated_token_path(config: &DexaConfig) -> PathBuf {
     config.local_dir().join("api-token")
@@ -127,9 +134,13 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         Deployment::for_workers(config, &print_progress).await?
     };
     let deployment = Arc::new(deployment);
+    // The worker drains (see `dexa worker`) once the server has stopped.
+    let (stop_worker, worker_stopped) = tokio::sync::oneshot::channel::<()>();
     let worker = (!args.no_worker).then(|| {
         let worker = deployment.worker();
-        tokio::spawn(worker.run(std::future::pending()))
+        tokio::spawn(worker.run(async move {
+            let _ = worker_stopped.await;
+        }))
     });
     let app = router(ApiState::new(deployment.clone(), Some(Arc::new(token))));
     let tcp = tokio::net::TcpListener::bind(args.listen)
@@ -165,7 +176,17 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         } => eprintln!("closed the event streams still open"),
     }
     if let Some(worker) = worker {
-        worker.abort();
+        let drain = deployment.config.worker.drain;
+        eprintln!(
+            "dexa serve: the worker claims nothing more; its running Steps have {} to finish \
+             (a second signal stops at once)",
+            humantime::format_duration(drain)
+        );
+        let _ = stop_worker.send(());
+        tokio::select! {
+            _ = worker => {}
+            () = super::worker::shutdown_signal() => worker_abandoned(),
+        }
     }
     eprintln!("dexa serve stopped");
     Ok(())
