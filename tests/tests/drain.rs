@@ -135,7 +135,8 @@ async fn a_step_still_running_at_the_drain_deadline_is_handed_back_at_once() {
     let mut stack = AgentTestStack::with_config(|_| {
         render_config(&[agent], &settings).replacen("[worker]\n", "[worker]\ndrain = \"1s\"\n", 1)
     });
-    let first = stack.start_worker();
+    // Logs as a log pipeline reads them: one JSON object a line.
+    let first = stack.start_worker_with_env(&["--log-format", "json"], &[("RUST_LOG", "info")]);
     let sessions = stack.sessions(AGENT);
     sessions.start_session("s1", "go").await.unwrap();
     stack.gate("r").wait_until_reached().await;
@@ -153,6 +154,27 @@ async fn a_step_still_running_at_the_drain_deadline_is_handed_back_at_once() {
         stopping.elapsed() >= Duration::from_secs(1),
         "it waited out the drain"
     );
+    let log = stack.worker_log(first);
+    let lines: Vec<Value> = log
+        .lines()
+        .map(|line| {
+            serde_json::from_str(line).unwrap_or_else(|err| panic!("not JSON ({err}): {line}"))
+        })
+        .collect();
+    let said = |message: &str| {
+        lines
+            .iter()
+            .find(|l| {
+                l["message"]
+                    .as_str()
+                    .is_some_and(|m| m.starts_with(message))
+            })
+            .cloned()
+            .unwrap_or_else(|| panic!("no {message:?} line in\n{log}"))
+    };
+    assert_eq!(said("worker ready")["worker"], json!("worker-1"));
+    assert_eq!(said("drain deadline passed")["released"], json!(1));
+    assert_eq!(said("worker stopped")["level"], json!("INFO"));
     // The other worker runs the read again well inside the 30 s lease.
     let log = stack.invocations();
     dexa_tests::kit::wait_until("the read to run again", Duration::from_secs(15), || {

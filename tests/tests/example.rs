@@ -196,3 +196,19 @@ fn dexa_component_inspect_lists_tools_with_their_effects() {
     // A Rust guest exports its world and nothing else.
     assert_eq!(described["extra_exports"], serde_json::json!([]));
 }
+
+/// The licence file is the licence Cargo.toml names, in full.
+#[test]
+fn the_licence_file_is_the_one_cargo_toml_names() {
+    let cargo = std::fs::read_to_string(repo_root().join("Cargo.toml")).unwrap();
+    let manifest: toml::Value = toml::from_str(&cargo).unwrap();
+    assert_eq!(
+        manifest["workspace"]["package"]["license"].as_str(),
+        Some("Apache-2.0")
+    );
+    let licence = std::fs::read_to_string(repo_root().join("LICENSE")).unwrap();
+    let words: Vec<&str> = licence.split_whitespace().collect();
+    assert_eq!(&words[..4], ["Apache", "License", "Version", "2.0,"]);
+    assert!(licence.contains("END OF TERMS AND CONDITIONS"));
+    assert!(licence.contains("APPENDIX: How to apply the Apache License to your work."));
+}

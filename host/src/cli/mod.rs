@@ -36,8 +36,42 @@ use crate::plugin::{
     about = "Durable agent sessions with sandboxed WebAssembly runners and tools"
 )]
 pub struct Cli {
+    /// How log lines are written to stderr: `text` for people, `json` (one
+    /// object per line) for a log pipeline. Which lines: `RUST_LOG`
+    /// (default `info`).
+    #[arg(long, global = true, value_enum, env = "DEXA_LOG_FORMAT", default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
     #[command(subcommand)]
     pub command: Command,
+}
+
+/// The format of log lines (`--log-format`).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+impl LogFormat {
+    /// Installs the process's log subscriber: lines to stderr, filtered by
+    /// `RUST_LOG` (default `info`).
+    pub fn install(self) {
+        let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        let builder = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr);
+        match self {
+            LogFormat::Text => builder
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+                .init(),
+            LogFormat::Json => builder
+                .json()
+                .flatten_event(true)
+                .with_current_span(true)
+                .init(),
+        }
+    }
 }
 
 #[derive(Subcommand, Debug)]

@@ -48,6 +48,23 @@ pub fn print_progress(progress: LoadProgress) {
     }
 }
 
+/// Load progress as log lines, for a daemon whose stderr goes to a log
+/// pipeline (`--log-format json`).
+fn log_progress(progress: LoadProgress) {
+    match progress {
+        LoadProgress::Loading {
+            component,
+            index,
+            total,
+        } => tracing::info!(component, index, total, "loading a component"),
+        LoadProgress::Loaded {
+            component,
+            compiled,
+            millis,
+        } => tracing::info!(component, compiled, millis, "loaded a component"),
+    }
+}
+
 pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     let config = DexaConfig::load(&args.config)?;
     if config.agents.is_empty() {
@@ -58,7 +75,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     if let Err(err) = crate::api::limits::raise_fd_limit() {
         tracing::warn!(error = %err, "cannot raise the open-file limit");
     }
-    let deployment = Deployment::for_workers(config, &print_progress).await?;
+    let deployment = Deployment::for_workers(config, &log_progress).await?;
     let mut options = deployment.config.worker.options();
     if let Some(slots) = args.slots {
         anyhow::ensure!(slots > 0, "--slots must be at least 1");
@@ -80,28 +97,29 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         }));
     }
     let agents: Vec<&String> = deployment.config.agents.keys().collect();
-    eprintln!(
-        "worker {} ready: {} slots, agents {agents:?}, store {}",
-        options.worker_id,
-        options.max_concurrent_tasks,
-        deployment.config.store.describe()
+    tracing::info!(
+        worker = %options.worker_id,
+        slots = options.max_concurrent_tasks,
+        agents = ?agents,
+        store = %deployment.config.store.describe(),
+        "worker ready"
     );
     let drain = options.drain;
     let run = deployment.worker_with(options).run(async {
         shutdown_signal().await;
-        eprintln!(
-            "worker stopping: claiming nothing more; the running Steps have {} to finish \
-             (a second signal stops at once)",
-            humantime::format_duration(drain)
+        tracing::info!(
+            drain = %humantime::format_duration(drain),
+            "worker stopping: claiming nothing more; the running Steps have until the drain \
+             deadline (a second signal stops at once)"
         );
     });
     tokio::select! {
-        () = run => eprintln!("worker stopped"),
+        () = run => tracing::info!("worker stopped"),
         () = async {
             // The first signal starts the drain (the worker sees it too).
             shutdown_signal().await;
             shutdown_signal().await;
-        } => eprintln!(
+        } => tracing::warn!(
             "worker stopped without waiting for its Steps; they are delivered again when their \
              leases run out"
         ),
