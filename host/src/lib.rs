@@ -23,3 +23,4 @@ pub mod plugin;
 pub mod providers;
 pub mod session;
 pub mod store;
+pub mod telemetry;

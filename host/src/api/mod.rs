@@ -7,6 +7,7 @@ pub mod error;
 pub mod limits;
 pub mod listener;
 mod messages;
+mod metrics;
 pub mod openapi;
 mod ready;
 mod versions;
@@ -65,6 +66,8 @@ pub struct ApiState {
     engine: versions::EngineCell,
     /// `/readyz`'s last look at the store.
     ready: Arc<ready::ReadyCache>,
+    /// The process's metrics, for `/metrics` (none: it answers 404).
+    metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
 }
 
 impl ApiState {
@@ -74,7 +77,14 @@ impl ApiState {
             token,
             engine: Default::default(),
             ready: Default::default(),
+            metrics: None,
         }
+    }
+
+    /// Serves `handle`'s metrics at `/metrics`.
+    pub fn with_metrics(mut self, handle: metrics_exporter_prometheus::PrometheusHandle) -> Self {
+        self.metrics = Some(handle);
+        self
     }
 }
 
@@ -100,6 +110,7 @@ pub fn router(state: ApiState) -> Router {
         .route("/v1/sessions/{session_id}/stop", post(stop_session))
         .route("/v1/sessions/{session_id}/history", get(step_history))
         .route("/v1/sessions/{session_id}/events", get(events))
+        .route("/metrics", get(metrics::metrics_text))
         .merge(versions::routes())
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),

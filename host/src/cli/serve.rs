@@ -127,6 +127,8 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let fd_limit = raise_fd_limit().context("cannot read the open-file limit")?;
     let limits = ConnectionLimits::new(args.header_timeout, args.max_connections, fd_limit)?;
     let config = DexaConfig::load(&args.config)?;
+    // Before the worker starts, which records from its first claim.
+    let metrics = crate::telemetry::install_prometheus()?;
     let (token, source) = resolve_token(args.token_file.as_deref(), &config)?;
     let deployment = if args.no_worker {
         Deployment::for_clients(config).await?
@@ -142,7 +144,8 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             let _ = worker_stopped.await;
         }))
     });
-    let app = router(ApiState::new(deployment.clone(), Some(Arc::new(token))));
+    let app =
+        router(ApiState::new(deployment.clone(), Some(Arc::new(token))).with_metrics(metrics));
     let tcp = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;

@@ -5,6 +5,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use anyhow::Context;
 use clap::Args;
 
 use crate::config::deploy::LoadProgress;
@@ -27,6 +28,11 @@ pub struct WorkerArgs {
     /// the Step its commit leased to this worker starts).
     #[arg(long, value_name = "STEP_TYPE")]
     pub crash_after_commit: Option<String>,
+    /// Serve `GET /metrics` (Prometheus text, no token: keep it on a
+    /// private address) and `GET /healthz` here, for example
+    /// `127.0.0.1:9464`.
+    #[arg(long, value_name = "ADDRESS", env = "DEXA_METRICS_LISTEN")]
+    pub metrics_listen: Option<std::net::SocketAddr>,
 }
 
 /// Prints load progress on stderr: the first start compiles each component.
@@ -67,6 +73,9 @@ fn log_progress(progress: LoadProgress) {
 
 pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     let config = DexaConfig::load(&args.config)?;
+    if let Some(address) = args.metrics_listen {
+        serve_metrics(address).await?;
+    }
     if config.agents.is_empty() {
         anyhow::bail!(config.error("there are no [agents.NAME] sections, so no work to do"));
     }
@@ -124,6 +133,38 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
              leases run out"
         ),
     }
+    Ok(())
+}
+
+/// Serves the worker's metrics at `address` until the process ends.
+async fn serve_metrics(address: std::net::SocketAddr) -> anyhow::Result<()> {
+    let handle = crate::telemetry::install_prometheus()?;
+    let listener = tokio::net::TcpListener::bind(address)
+        .await
+        .with_context(|| format!("cannot listen on {address} (--metrics-listen)"))?;
+    let app = axum::Router::new()
+        .route(
+            "/metrics",
+            axum::routing::get(move || {
+                let handle = handle.clone();
+                async move {
+                    (
+                        [(
+                            axum::http::header::CONTENT_TYPE,
+                            "text/plain; version=0.0.4; charset=utf-8",
+                        )],
+                        crate::telemetry::render(&handle),
+                    )
+                }
+            }),
+        )
+        .route("/healthz", axum::routing::get(|| async { "ok" }));
+    tracing::info!(address = %listener.local_addr()?, "serving metrics at /metrics");
+    tokio::spawn(async move {
+        if let Err(err) = axum::serve(listener, app).await {
+            tracing::warn!(error = %err, "the metrics listener stopped");
+        }
+    });
     Ok(())
 }
 

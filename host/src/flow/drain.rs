@@ -13,6 +13,7 @@ use super::retry::{self, AttemptError};
 use super::store::{AttemptFailure, FailureAction, FlowStore, StoreError};
 use super::types::{history, ClaimedTask};
 use super::worker::HeldTasks;
+use crate::telemetry;
 
 /// Waits up to `deadline` for the Steps in `running` to finish (their
 /// leases are still renewed meanwhile), then stops the rest and releases
@@ -65,6 +66,7 @@ pub(super) async fn drain(
             released += 1;
         }
     }
+    metrics::counter!(telemetry::LEASES_RELEASED).increment(released as u64);
     tracing::warn!(
         released,
         "drain deadline passed: released the leases of the Steps still running, for another worker"

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use super::store::StoreError;
+use crate::telemetry;
 
 /// The first wait after a failed store call.
 const FIRST_BACKOFF: Duration = Duration::from_millis(50);
@@ -70,6 +71,7 @@ pub(crate) struct Outage {
 
 impl Outage {
     pub(crate) fn new(worker: &str, health: StoreHealth) -> Self {
+        metrics::gauge!(telemetry::STORE_AVAILABLE).set(1.0);
         Self {
             worker: worker.to_string(),
             health,
@@ -114,6 +116,8 @@ impl Outage {
                 .store(unix_ms, Ordering::Release);
             self.health.inner.down.store(true, Ordering::Release);
             self.health.inner.outages.fetch_add(1, Ordering::AcqRel);
+            metrics::counter!(telemetry::STORE_OUTAGES).increment(1);
+            metrics::gauge!(telemetry::STORE_AVAILABLE).set(0.0);
             tracing::warn!(
                 worker = %self.worker,
                 error = %err,
@@ -145,6 +149,7 @@ impl Outage {
     pub(crate) fn answered(&mut self) {
         if let Some((since, failures)) = self.current.take() {
             self.health.inner.down.store(false, Ordering::Release);
+            metrics::gauge!(telemetry::STORE_AVAILABLE).set(1.0);
             tracing::info!(
                 worker = %self.worker,
                 failures,

@@ -7,6 +7,7 @@ use std::time::Duration;
 use super::context::Heartbeat;
 use super::store::FlowStore;
 use super::worker::{HeldTasks, WorkerOptions};
+use crate::telemetry;
 
 /// Renews the worker's leases and records heartbeats as output.
 pub(super) async fn renew_leases(
@@ -37,7 +38,12 @@ pub(super) async fn renew_leases(
             .renew_leases(&options.worker_id, &pairs, lease_ms)
             .await
         {
-            Ok(lost) => lost,
+            Ok(lost) => {
+                metrics::counter!(telemetry::LEASE_RENEWALS)
+                    .increment(pairs.len().saturating_sub(lost.len()) as u64);
+                metrics::counter!(telemetry::LEASES_LOST).increment(lost.len() as u64);
+                lost
+            }
             Err(err) => {
                 tracing::warn!(error = %err, "renewing leases failed");
                 Vec::new()

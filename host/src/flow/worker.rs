@@ -15,6 +15,7 @@ use super::registry::{Registry, StepError};
 use super::retry::{self, AttemptError};
 use super::store::{AttemptFailure, ClaimNext, FlowStore, StepCommit, StoreError};
 use super::types::{history, ClaimedTask, StepHistoryEntry, StepOutcome, StepResult};
+use crate::telemetry;
 
 /// Called after a Step's commit with its task and the time from its claim to
 /// its commit (for metrics and benchmarks).
@@ -332,6 +333,12 @@ async fn run_one(
     claim_next: &ClaimNext,
 ) -> Option<(ClaimedTask, u64)> {
     let claimed_at = Instant::now();
+    metrics::counter!(
+        telemetry::STEPS_STARTED,
+        "flow_type" => task.flow_type.clone(),
+        "step" => task.step_type.clone()
+    )
+    .increment(1);
     let task = Arc::new(task);
     let heartbeat = Heartbeat::new();
     if let Ok(mut held) = held.lock() {
@@ -387,6 +394,14 @@ async fn run_one(
             };
             let claimed =
                 commit(store, registry, &task, step_result, claim_next, component).await?;
+            metrics::counter!(
+                telemetry::STEPS_COMPLETED,
+                "flow_type" => task.flow_type.clone(),
+                "step" => task.step_type.clone()
+            )
+            .increment(1);
+            metrics::histogram!(telemetry::STEP_CLAIM_TO_COMMIT, "step" => task.step_type.clone())
+                .record(claimed_at.elapsed().as_secs_f64());
             if let Some(observer) = observer {
                 observer(&task, claimed_at.elapsed());
             }
@@ -489,6 +504,12 @@ async fn fail(
         "step attempt failed"
     );
     let Ok(now) = store.now().await else { return };
+    metrics::counter!(
+        telemetry::STEPS_FAILED,
+        "flow_type" => task.flow_type.clone(),
+        "step" => task.step_type.clone()
+    )
+    .increment(1);
     let (action, mut history) = retry::after_failure(registry, task, &err, now);
     history.component = component;
     let failure = AttemptFailure::of(task, (action, history), false);

@@ -1,0 +1,66 @@
+//! Metrics: their names (one place, so that the code that records them and
+//! the documentation agree), and the Prometheus recorder behind
+//! `GET /metrics` on `dexa serve` and `dexa worker --metrics-listen`.
+//!
+//! Recording goes through the `metrics` facade: without an installed
+//! recorder (tests, `dexa demo`) it costs an atomic load and records
+//! nothing.
+
+use std::sync::OnceLock;
+
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+/// Steps a worker claimed and began, by `flow_type` (an agent's sessions:
+/// the agent's name) and `step` (the Step type).
+pub const STEPS_STARTED: &str = "dexa_steps_started_total";
+/// Steps whose result committed, by `flow_type` and `step`.
+pub const STEPS_COMPLETED: &str = "dexa_steps_completed_total";
+/// Attempts that failed (retried, routed or failing the flow), by
+/// `flow_type` and `step`.
+pub const STEPS_FAILED: &str = "dexa_steps_failed_total";
+/// From a Step's claim to its commit, in seconds, by `step`.
+pub const STEP_CLAIM_TO_COMMIT: &str = "dexa_step_claim_to_commit_seconds";
+/// Leases renewed by a worker.
+pub const LEASE_RENEWALS: &str = "dexa_lease_renewals_total";
+/// Leases a worker found taken when it renewed them (its Step is stopped).
+pub const LEASES_LOST: &str = "dexa_leases_lost_total";
+/// Leases a draining worker handed back at its deadline.
+pub const LEASES_RELEASED: &str = "dexa_leases_released_total";
+/// 1 while the store takes the worker's claims, 0 during an outage.
+pub const STORE_AVAILABLE: &str = "dexa_store_available";
+/// Store outages a worker saw begin.
+pub const STORE_OUTAGES: &str = "dexa_store_outages_total";
+
+/// Histogram buckets for Step durations (seconds): a Step without a guest
+/// takes about a millisecond; a model call, seconds.
+const STEP_BUCKETS: [f64; 14] = [
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0, 120.0,
+];
+
+static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+
+/// Installs the process's Prometheus recorder (once; later calls return the
+/// same handle).
+pub fn install_prometheus() -> anyhow::Result<PrometheusHandle> {
+    if let Some(handle) = HANDLE.get() {
+        return Ok(handle.clone());
+    }
+    let recorder = PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Suffix("_seconds".to_string()), &STEP_BUCKETS)?
+        .build_recorder();
+    let handle = recorder.handle();
+    // Another recorder may be installed already (a test's): then this
+    // process's metrics go there, and the handle renders nothing new.
+    if metrics::set_global_recorder(recorder).is_err() {
+        anyhow::bail!("a metrics recorder is installed already in this process");
+    }
+    Ok(HANDLE.get_or_init(|| handle).clone())
+}
+
+/// The Prometheus text exposition of everything recorded so far.
+pub fn render(handle: &PrometheusHandle) -> String {
+    // Histograms are kept in buckets that upkeep drains; a scrape is as good
+    // a time as any.
+    handle.run_upkeep();
+    handle.render()
+}
