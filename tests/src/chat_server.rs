@@ -135,6 +135,7 @@ impl ReplayChatServer {
         });
         let app = Router::new()
             .route("/v1/chat/completions", post(complete))
+            .route("/v1/models", axum::routing::get(models))
             .with_state(state.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
@@ -201,6 +202,21 @@ fn pieces(bytes: Vec<u8>, piece: usize) -> Body {
         Some((Ok::<Bytes, Infallible>(next), rest))
     });
     Body::from_stream(stream)
+}
+
+/// `GET /v1/models`, as OpenAI answers it: 401 without a key.
+async fn models(headers: HeaderMap) -> Response {
+    if headers.get(header::AUTHORIZATION).is_none() && headers.get("api-key").is_none() {
+        return (
+            StatusCode::UNAUTHORIZED,
+            axum::Json(serde_json::json!({"error": {"message": "You didn't provide an API key."}})),
+        )
+            .into_response();
+    }
+    axum::Json(
+        serde_json::json!({"object": "list", "data": [{"id": "gpt-4o-mini", "object": "model"}]}),
+    )
+    .into_response()
 }
 
 async fn complete(

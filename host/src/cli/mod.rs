@@ -94,6 +94,10 @@ pub enum Command {
     Session(session::SessionArgs),
     /// Run the Steps of every agent in dexa.toml until stopped.
     Worker(worker::WorkerArgs),
+    /// Check dexa.toml as a worker's start would (components, grants,
+    /// variables, models) without starting one; exits 1 with file:line
+    /// errors. For CI pipelines.
+    Check(CheckArgs),
     /// The store itself: migrate its schema, copy SQLite into PostgreSQL.
     #[command(subcommand)]
     Store(store::StoreCommand),
@@ -204,6 +208,32 @@ fn parse_dir(spec: &str) -> anyhow::Result<(PathBuf, String, DirAccess)> {
     }
 }
 
+#[derive(Args, Debug)]
+pub struct CheckArgs {
+    /// The config file.
+    #[arg(long, short, default_value = crate::config::DEFAULT_CONFIG_FILE, env = "DEXA_CONFIG")]
+    pub config: PathBuf,
+    /// Also ask each OpenAI-compatible model's server for its model list
+    /// (with its key and headers).
+    #[arg(long)]
+    pub online: bool,
+}
+
+async fn check(args: CheckArgs) -> anyhow::Result<()> {
+    let config = crate::config::DexaConfig::load(&args.config)?;
+    let problems = crate::config::check::check(&config, args.online).await;
+    crate::config::check::report(&problems, &args.config);
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        anyhow::bail!(
+            "{} problem(s) in {}; a worker would refuse to start",
+            problems.len(),
+            args.config.display()
+        )
+    }
+}
+
 fn component_name(path: &std::path::Path) -> String {
     path.file_stem()
         .map(|s| s.to_string_lossy().into_owned())
@@ -214,6 +244,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Demo(args) => demo::run(args).await,
         Command::Worker(args) => worker::run(args).await,
+        Command::Check(args) => check(args).await,
         Command::Serve(args) => serve::run(args).await,
         Command::Chat(args) => chat::run(args).await,
         Command::Session(args) => session::run(args).await,

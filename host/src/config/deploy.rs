@@ -359,7 +359,7 @@ struct ScriptedUsage {
     output: u64,
 }
 
-fn model_provider(
+pub(super) fn model_provider(
     config: &DexaConfig,
     name: &str,
     model: &ModelConfig,

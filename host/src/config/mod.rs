@@ -36,6 +36,7 @@
 //! Relative paths are relative to the directory of the config file.
 
 pub mod activate;
+pub mod check;
 pub mod deploy;
 pub mod gc;
 mod grant_layout;
