@@ -212,3 +212,66 @@ fn the_licence_file_is_the_one_cargo_toml_names() {
     assert!(licence.contains("END OF TERMS AND CONDITIONS"));
     assert!(licence.contains("APPENDIX: How to apply the Apache License to your work."));
 }
+
+/// The Containerfile's stages agree with the README and Cargo.toml: the
+/// build stage's Rust is the workspace's rust-version, the run stage copies
+/// the binary the build stage makes, and the port, volume and listen
+/// address are the ones the README's commands use. (No container is built:
+/// CI has no Docker.)
+#[test]
+fn the_containerfile_agrees_with_the_readme_and_cargo_toml() {
+    let file = std::fs::read_to_string(repo_root().join("Containerfile")).unwrap();
+    let readme = std::fs::read_to_string(repo_root().join("README.md")).unwrap();
+    let cargo: toml::Value =
+        toml::from_str(&std::fs::read_to_string(repo_root().join("Cargo.toml")).unwrap()).unwrap();
+    let rust = cargo["workspace"]["package"]["rust-version"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    let instructions: Vec<&str> = file
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .collect();
+    let froms: Vec<&str> = instructions
+        .iter()
+        .copied()
+        .filter(|l| l.starts_with("FROM "))
+        .collect();
+    assert_eq!(froms.len(), 2, "two stages: {froms:?}");
+    let build_image = format!("rust:{rust}-slim-trixie");
+    assert!(
+        froms[0].contains(&build_image) && froms[0].ends_with(" AS build"),
+        "{}",
+        froms[0]
+    );
+    assert!(froms[1].ends_with(" AS run"), "{}", froms[1]);
+    assert!(instructions.contains(&"RUN cargo build --release --locked -p dexa"));
+    assert!(
+        instructions.contains(&"COPY --from=build /src/target/release/dexa /usr/local/bin/dexa")
+    );
+    assert!(instructions.contains(&"EXPOSE 8080"));
+    assert!(instructions.contains(&"VOLUME /data"));
+    assert!(instructions.contains(&"ENV DEXA_CONFIG=/data/dexa.toml"));
+    assert!(instructions.contains(&"USER dexa"));
+    assert!(instructions.contains(&r#"CMD ["serve", "--listen", "0.0.0.0:8080"]"#));
+    // The README's commands and words match.
+    for needle in [
+        "podman build -t dexa -f Containerfile .",
+        "podman run -p 8080:8080 -v ./deploy:/data dexa",
+        &format!("`{build_image}`"),
+        "`0.0.0.0:8080`",
+        "`/data`",
+        &format!("Rust {rust}"),
+    ] {
+        assert!(
+            readme.contains(needle),
+            "the README does not say {needle:?}"
+        );
+    }
+    // The image is built from the sources, not the multi-GB target dir.
+    for ignore in [".containerignore", ".dockerignore"] {
+        let text = std::fs::read_to_string(repo_root().join(ignore)).unwrap();
+        assert!(text.lines().any(|l| l.trim() == "target/"), "{ignore}");
+    }
+}
