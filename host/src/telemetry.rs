@@ -31,6 +31,16 @@ pub const STORE_AVAILABLE: &str = "dexa_store_available";
 /// Store outages a worker saw begin.
 pub const STORE_OUTAGES: &str = "dexa_store_outages_total";
 
+/// Guest calls, by `component` (its name in the config), `export` and
+/// `outcome`: `ok`, `trapped`, `timed_out` (the epoch interrupt), `limit`
+/// (memory, fuel, output, handles).
+pub const GUEST_CALLS: &str = "dexa_guest_calls_total";
+/// A guest call's duration in seconds, by `component` and `export`.
+pub const GUEST_CALL_DURATION: &str = "dexa_guest_call_seconds";
+/// Requests and connections a guest made that its grants refused, by
+/// `kind` (`http`, `tcp`).
+pub const GRANTS_REFUSED: &str = "dexa_grants_refused_total";
+
 /// Histogram buckets for Step durations (seconds): a Step without a guest
 /// takes about a millisecond; a model call, seconds.
 const STEP_BUCKETS: [f64; 14] = [

@@ -231,6 +231,29 @@ async fn a_worker_process_serves_its_metrics_at_metrics_listen() {
         })
         .await;
     assert_counts_match(&samples, "Counted", &history);
+    // The tool's one call (besides its list-tools at load), and the
+    // runner's calls (one per RunModel).
+    let calls = |component: &str, export: &str| -> f64 {
+        samples
+            .iter()
+            .filter(|s| s.name == telemetry::GUEST_CALLS)
+            .filter(|s| s.labels.get("component").map(String::as_str) == Some(component))
+            .filter(|s| s.labels.get("export").map(String::as_str) == Some(export))
+            .map(|s| {
+                assert_eq!(s.labels["outcome"], "ok", "{s:?}");
+                s.value
+            })
+            .sum()
+    };
+    assert_eq!(calls("gate-tool", "call"), 1.0);
+    let run_models = completed_by_step(&history)
+        .get("RunModel")
+        .copied()
+        .unwrap_or_default();
+    assert_eq!(calls("Counted-runner", "run-model-step"), run_models);
+    assert!(samples
+        .iter()
+        .any(|s| s.name == format!("{}_count", telemetry::GUEST_CALL_DURATION)));
     assert_eq!(
         value(
             &samples,

@@ -127,6 +127,8 @@ pub(crate) struct Call {
     denied_http: DeniedRequests,
     output_bytes: usize,
     fuel: Option<u64>,
+    /// When the guest got its slot, for the call's duration metric.
+    started: Instant,
     /// The component's concurrency slot, released when the call ends.
     _slot: OwnedSemaphorePermit,
 }
@@ -247,6 +249,7 @@ impl Call {
             denied_http,
             output_bytes: settings.limits.output_bytes,
             fuel: settings.limits.fuel,
+            started: Instant::now(),
             _slot: slot,
         })
     }
@@ -271,6 +274,29 @@ impl Call {
     /// typed error that says what happened.
     pub fn finish<R: BoundaryBytes>(self, result: wasmtime::Result<R>) -> Result<R, CallError> {
         self.events.close();
+        let labels = [
+            ("component", self.component.to_string()),
+            ("export", self.export.to_string()),
+        ];
+        metrics::histogram!(crate::telemetry::GUEST_CALL_DURATION, &labels)
+            .record(self.started.elapsed().as_secs_f64());
+        let outcome = self.settle(result);
+        let kind = match &outcome {
+            Ok(_) => "ok",
+            Err(CallError::TimedOut { .. }) => "timed_out",
+            Err(CallError::LimitExceeded { .. }) => "limit",
+            Err(_) => "trapped",
+        };
+        let [component, export] = labels;
+        metrics::counter!(
+            crate::telemetry::GUEST_CALLS,
+            [component, export, ("outcome", kind.to_string())].as_slice()
+        )
+        .increment(1);
+        outcome
+    }
+
+    fn settle<R: BoundaryBytes>(self, result: wasmtime::Result<R>) -> Result<R, CallError> {
         let err = match result {
             Ok(value) => {
                 self.check_output(&value)?;

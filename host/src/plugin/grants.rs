@@ -245,6 +245,9 @@ impl Grants {
                 SocketAddrUse::TcpBind => addr.ip().is_unspecified() && addr.port() == 0,
                 _ => false,
             };
+            if !permitted {
+                metrics::counter!(crate::telemetry::GRANTS_REFUSED, "kind" => "tcp").increment(1);
+            }
             Box::pin(async move { permitted })
         });
         Ok(builder.build())

@@ -115,6 +115,7 @@ impl WasiHttpHooks for AllowListHooks {
         fut: Box<dyn std::future::Future<Output = wasmtime_wasi_http::Result<()>> + Send>,
     ) -> SendFuture {
         if !self.permits(request.uri()) {
+            metrics::counter!(crate::telemetry::GRANTS_REFUSED, "kind" => "http").increment(1);
             let described = format!("{} {}", request.method(), request.uri());
             if self.denied.push(described.clone()) {
                 tracing::warn!(
