@@ -6,7 +6,8 @@
 //! recorder (tests, `dexa demo`) it costs an atomic load and records
 //! nothing.
 
-use std::sync::OnceLock;
+use std::sync::Mutex;
+use std::time::Duration;
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
@@ -47,24 +48,38 @@ const STEP_BUCKETS: [f64; 14] = [
     0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0, 120.0,
 ];
 
-static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+/// How often histogram samples are folded into their buckets. Until then
+/// each sample is held in memory, so this must run whether or not anything
+/// scrapes.
+const UPKEEP_EVERY: Duration = Duration::from_secs(5);
 
-/// Installs the process's Prometheus recorder (once; later calls return the
-/// same handle).
+static HANDLE: Mutex<Option<PrometheusHandle>> = Mutex::new(None);
+
+/// Installs the process's Prometheus recorder, and a thread that keeps its
+/// histograms folded; later calls return the same handle.
 pub fn install_prometheus() -> anyhow::Result<PrometheusHandle> {
-    if let Some(handle) = HANDLE.get() {
+    let mut installed = HANDLE
+        .lock()
+        .map_err(|_| anyhow::anyhow!("the metrics recorder's lock is poisoned"))?;
+    if let Some(handle) = installed.as_ref() {
         return Ok(handle.clone());
     }
     let recorder = PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Suffix("_seconds".to_string()), &STEP_BUCKETS)?
         .build_recorder();
     let handle = recorder.handle();
-    // Another recorder may be installed already (a test's): then this
-    // process's metrics go there, and the handle renders nothing new.
     if metrics::set_global_recorder(recorder).is_err() {
-        anyhow::bail!("a metrics recorder is installed already in this process");
+        anyhow::bail!("another metrics recorder is installed already in this process");
     }
-    Ok(HANDLE.get_or_init(|| handle).clone())
+    let upkeep = handle.clone();
+    std::thread::Builder::new()
+        .name("dexa-metrics-upkeep".to_string())
+        .spawn(move || loop {
+            std::thread::sleep(UPKEEP_EVERY);
+            upkeep.run_upkeep();
+        })?;
+    *installed = Some(handle.clone());
+    Ok(handle)
 }
 
 /// The Prometheus text exposition of everything recorded so far.

@@ -516,15 +516,17 @@ impl InvocationLog {
 
     /// Waits (up to 30 s) until `name` has had at least `n` calls.
     pub async fn wait_for_count(&self, name: &str, n: usize) {
+        self.wait_for_count_within(name, n, Duration::from_secs(30))
+            .await
+    }
+
+    /// [`Self::wait_for_count`] with its own bound on the wait.
+    pub async fn wait_for_count_within(&self, name: &str, n: usize, deadline: Duration) {
         let log = self.clone();
-        wait_until(
-            &format!("{n} call(s) of {name}"),
-            Duration::from_secs(30),
-            || {
-                let count = log.count(name);
-                async move { (count >= n).then_some(()) }
-            },
-        )
+        wait_until(&format!("{n} call(s) of {name}"), deadline, || {
+            let count = log.count(name);
+            async move { (count >= n).then_some(()) }
+        })
         .await
     }
 }

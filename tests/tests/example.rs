@@ -258,7 +258,7 @@ fn the_containerfile_agrees_with_the_readme_and_cargo_toml() {
     // The README's commands and words match.
     for needle in [
         "podman build -t dexa -f Containerfile .",
-        "podman run -p 8080:8080 -v ./deploy:/data dexa",
+        "podman run -p 8080:8080 -v ./deploy:/data:U dexa",
         &format!("`{build_image}`"),
         "`0.0.0.0:8080`",
         "`/data`",
@@ -272,6 +272,11 @@ fn the_containerfile_agrees_with_the_readme_and_cargo_toml() {
     // The image is built from the sources, not the multi-GB target dir.
     for ignore in [".containerignore", ".dockerignore"] {
         let text = std::fs::read_to_string(repo_root().join(ignore)).unwrap();
-        assert!(text.lines().any(|l| l.trim() == "target/"), "{ignore}");
+        for pattern in ["**/target/", "**/.dexa/", ".git"] {
+            assert!(
+                text.lines().any(|l| l.trim() == pattern),
+                "{ignore}: {pattern}"
+            );
+        }
     }
 }

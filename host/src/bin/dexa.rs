@@ -3,11 +3,15 @@ use clap::Parser;
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let cli = dexa::cli::Cli::parse();
-    cli.log_format.install();
+    let format = cli.log_format;
+    format.install();
     match dexa::cli::run(cli).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(err) => {
-            eprintln!("error: {err:#}");
+            match format {
+                dexa::cli::LogFormat::Json => tracing::error!("{err:#}"),
+                dexa::cli::LogFormat::Text => eprintln!("error: {err:#}"),
+            }
             std::process::ExitCode::FAILURE
         }
     }

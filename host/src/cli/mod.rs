@@ -11,6 +11,7 @@ pub mod chat;
 pub mod demo;
 pub mod serve;
 pub mod session;
+pub mod signals;
 pub mod store;
 pub mod versions;
 pub mod worker;
@@ -48,7 +49,9 @@ pub struct Cli {
 /// The format of log lines (`--log-format`).
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LogFormat {
+    /// Lines for people, coloured on a terminal.
     Text,
+    /// One JSON object a line (`timestamp`, `level`, `message`, fields).
     Json,
 }
 
@@ -65,11 +68,18 @@ impl LogFormat {
             LogFormat::Text => builder
                 .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
                 .init(),
-            LogFormat::Json => builder
-                .json()
-                .flatten_event(true)
-                .with_current_span(true)
-                .init(),
+            LogFormat::Json => {
+                builder
+                    .json()
+                    .flatten_event(true)
+                    .with_current_span(true)
+                    .init();
+                // A panic (a Step handler's, say) is a log line too, not
+                // the default hook's plain text.
+                std::panic::set_hook(Box::new(|info| {
+                    tracing::error!(panic = %info, "panicked");
+                }));
+            }
         }
     }
 }

@@ -9,7 +9,8 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Args;
 
-use super::worker::{print_progress, shutdown_signal};
+use super::signals::Signals;
+use super::worker::print_progress;
 use crate::api::limits::{raise_fd_limit, ConnectionLimits};
 use crate::api::{listener, router, ApiState};
 use crate::config::{Deployment, DexaConfig};
@@ -122,6 +123,7 @@ fn write_private(path: &Path, text: &str) -> anyhow::Result<()> {
 }
 
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let signals = Signals::listen()?;
     // Sized before anything else opens files, so that a bad value is
     // refused at once.
     let fd_limit = raise_fd_limit().context("cannot read the open-file limit")?;
@@ -137,13 +139,23 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     };
     let deployment = Arc::new(deployment);
     // The worker drains (see `dexa worker`) once the server has stopped.
-    let (stop_worker, worker_stopped) = tokio::sync::oneshot::channel::<()>();
+    // The first signal stops the server and starts the worker's drain at
+    // once, side by side: a container runtime's grace period (10 s in
+    // docker and podman, 30 s in Kubernetes) counts from that signal.
+    let drain = deployment.config.worker.drain;
     let worker = (!args.no_worker).then(|| {
         let worker = deployment.worker();
+        let signals = signals.clone();
         tokio::spawn(worker.run(async move {
-            let _ = worker_stopped.await;
+            signals.received(1).await;
+            eprintln!(
+                "dexa serve: the worker claims nothing more; its running Steps have {} to \
+                 finish (a second signal stops at once)",
+                humantime::format_duration(drain)
+            );
         }))
     });
+    let first_signal = signals.clone();
     let app =
         router(ApiState::new(deployment.clone(), Some(Arc::new(token))).with_metrics(metrics));
     let tcp = tokio::net::TcpListener::bind(args.listen)
@@ -165,7 +177,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     // requests get a few seconds, then the server stops anyway.
     let (stopping, stopped) = tokio::sync::oneshot::channel::<()>();
     let server = listener::serve(tcp, app, limits, async move {
-        shutdown_signal().await;
+        first_signal.received(1).await;
         let _ = stopping.send(());
     });
     tokio::select! {
@@ -179,16 +191,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         } => eprintln!("closed the event streams still open"),
     }
     if let Some(worker) = worker {
-        let drain = deployment.config.worker.drain;
-        eprintln!(
-            "dexa serve: the worker claims nothing more; its running Steps have {} to finish \
-             (a second signal stops at once)",
-            humantime::format_duration(drain)
-        );
-        let _ = stop_worker.send(());
         tokio::select! {
             _ = worker => {}
-            () = super::worker::shutdown_signal() => worker_abandoned(),
+            () = signals.received(2) => worker_abandoned(),
         }
     }
     eprintln!("dexa serve stopped");

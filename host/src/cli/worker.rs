@@ -72,6 +72,7 @@ fn log_progress(progress: LoadProgress) {
 }
 
 pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
+    let signals = super::signals::Signals::listen()?;
     let config = DexaConfig::load(&args.config)?;
     if let Some(address) = args.metrics_listen {
         serve_metrics(address).await?;
@@ -115,7 +116,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     );
     let drain = options.drain;
     let run = deployment.worker_with(options).run(async {
-        shutdown_signal().await;
+        signals.received(1).await;
         tracing::info!(
             drain = %humantime::format_duration(drain),
             "worker stopping: claiming nothing more; the running Steps have until the drain \
@@ -124,11 +125,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     });
     tokio::select! {
         () = run => tracing::info!("worker stopped"),
-        () = async {
-            // The first signal starts the drain (the worker sees it too).
-            shutdown_signal().await;
-            shutdown_signal().await;
-        } => tracing::warn!(
+        () = signals.received(2) => tracing::warn!(
             "worker stopped without waiting for its Steps; they are delivered again when their \
              leases run out"
         ),
@@ -166,23 +163,4 @@ async fn serve_metrics(address: std::net::SocketAddr) -> anyhow::Result<()> {
         }
     });
     Ok(())
-}
-
-/// Ctrl-C or SIGTERM.
-pub async fn shutdown_signal() {
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut signal) => {
-                signal.recv().await;
-            }
-            Err(err) => {
-                tracing::warn!(error = %err, "cannot listen for SIGTERM");
-                std::future::pending::<()>().await
-            }
-        }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = terminate => {}
-    }
 }

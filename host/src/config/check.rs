@@ -30,9 +30,26 @@ pub async fn check(config: &DexaConfig, online: bool) -> Problems {
         ..config.error(message)
     };
     let mut problems = Vec::new();
+    if config.agents.is_empty() {
+        problems.push(
+            config.error("there are no [agents.NAME] sections, so a worker has no work to do"),
+        );
+    }
+    // The workers' engine, so that what this compiles they find in the
+    // cache; without a usable cache (a read-only checkout in CI), one
+    // that keeps nothing.
     let engine = match super::versions::config_engine(config) {
         Ok(engine) => engine,
-        Err(err) => return vec![config.error(format!("{err:#}"))],
+        Err(_) => match crate::plugin::SandboxEngine::new(crate::plugin::SandboxConfig {
+            cache_dir: None,
+            ..crate::plugin::SandboxConfig::default()
+        }) {
+            Ok(engine) => engine,
+            Err(err) => {
+                problems.push(config.error(format!("cannot make the sandbox engine: {err:#}")));
+                return problems;
+            }
+        },
     };
     let used: Vec<&ComponentConfig> = config
         .components
@@ -148,6 +165,8 @@ async fn reachable(name: &str, model: &ModelConfig) -> Result<(), String> {
     let url = format!("{}/models", base_url.trim_end_matches('/'));
     let http = reqwest::Client::builder()
         .timeout(Duration::from_secs(10))
+        // Never carry the key and headers elsewhere.
+        .redirect(reqwest::redirect::Policy::none())
         .build()
         .map_err(|err| format!("model {name:?}: {err}"))?;
     let mut request = http.get(&url);

@@ -3,13 +3,14 @@
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::task::{AbortHandle, JoinSet};
 
 use super::context::{Heartbeat, StepContext};
+use super::drain::DrainState;
 use super::outage::{Outage, StoreHealth};
 use super::registry::{Registry, StepError};
 use super::retry::{self, AttemptError};
@@ -123,7 +124,7 @@ impl Worker {
         let signal = self.store.work_signal();
         let held: HeldTasks = Arc::new(Mutex::new(HashMap::new()));
         // Set on shutdown: a commit then leases no next Step with it.
-        let draining = Arc::new(AtomicBool::new(false));
+        let drain_state = Arc::new(DrainState::default());
         let renewal = tokio::spawn(super::renew::renew_leases(
             self.store.clone(),
             self.options.clone(),
@@ -170,7 +171,7 @@ impl Worker {
                                 self.store.clone(),
                                 self.registry.clone(),
                                 held.clone(),
-                                draining.clone(),
+                                drain_state.clone(),
                                 (task, since),
                                 self.options.on_step_committed.clone(),
                                 ClaimNext {
@@ -212,12 +213,13 @@ impl Worker {
                 Some(_) = running.join_next(), if !running.is_empty() => {}
             }
         }
-        draining.store(true, Ordering::Release);
+        drain_state.draining.store(true, Ordering::Release);
         super::drain::drain(
             &self.store,
             &self.registry,
             &mut running,
             &held,
+            &drain_state,
             self.options.drain,
         )
         .await;
@@ -269,7 +271,8 @@ impl Worker {
             let task = &lease.task;
             let lost =
                 || retry::after_failure(&self.registry, task, &AttemptError::WorkerLost, now);
-            let decision = if lease.output_recorded {
+            let mut failed = lease.output_recorded;
+            let decision = if failed {
                 lost()
             } else {
                 retry::redelivery(task, now)
@@ -281,12 +284,15 @@ impl Worker {
             if let Err(StoreError::OutputRecorded { .. }) = outcome {
                 // The Step recorded output after the look above: it may have
                 // acted, so it gets the next attempt (or its failure route).
+                failed = true;
                 outcome = self
                     .store
                     .fail_attempt(AttemptFailure::of(task, lost(), true))
                     .await;
             }
             match outcome {
+                // A redelivery of the same attempt is no failure.
+                Ok(()) if failed => count_failed(task),
                 Ok(()) | Err(StoreError::StaleLease { .. }) => {}
                 Err(err) => tracing::warn!(error = %err, task_id = task.task_id, "reaping failed"),
             }
@@ -300,7 +306,7 @@ async fn run_task(
     store: Arc<dyn FlowStore>,
     registry: Arc<Registry>,
     held: HeldTasks,
-    draining: Arc<AtomicBool>,
+    drain_state: Arc<DrainState>,
     task: (ClaimedTask, u64),
     observer: Option<StepObserver>,
     claim_next: ClaimNext,
@@ -311,7 +317,7 @@ async fn run_task(
             &store,
             &registry,
             &held,
-            &draining,
+            &drain_state,
             task,
             since,
             observer.as_ref(),
@@ -326,7 +332,7 @@ async fn run_one(
     store: &Arc<dyn FlowStore>,
     registry: &Arc<Registry>,
     held: &HeldTasks,
-    draining: &AtomicBool,
+    drain_state: &DrainState,
     task: ClaimedTask,
     since: u64,
     observer: Option<&StepObserver>,
@@ -376,6 +382,11 @@ async fn run_one(
         }
     };
     let component = component.and_then(|ctx| ctx.component());
+    if result.is_err() && drain_state.cut.load(Ordering::Acquire) {
+        // Stopped by the drain's deadline: neither a failure to record nor
+        // an attempt spent; the drain hands the lease back.
+        return None;
+    }
     if let Ok(mut held) = held.lock() {
         held.remove(&(task.task_id, task.lease_token));
     }
@@ -384,7 +395,7 @@ async fn run_one(
             // The commit may lease the flow's next task: read before it.
             let since = store.revocation_generation();
             // A draining worker takes no next Step with the commit.
-            let claim_next = if draining.load(Ordering::Acquire) {
+            let claim_next = if drain_state.draining.load(Ordering::Acquire) {
                 &ClaimNext {
                     max: 0,
                     ..claim_next.clone()
@@ -421,6 +432,16 @@ async fn run_one(
             None
         }
     }
+}
+
+/// Counts a failed attempt the store recorded.
+pub(super) fn count_failed(task: &ClaimedTask) {
+    metrics::counter!(
+        telemetry::STEPS_FAILED,
+        "flow_type" => task.flow_type.clone(),
+        "step" => task.step_type.clone()
+    )
+    .increment(1);
 }
 
 /// Commits the Step's result; `Some` (with the tasks claimed with it) when it
@@ -504,17 +525,12 @@ async fn fail(
         "step attempt failed"
     );
     let Ok(now) = store.now().await else { return };
-    metrics::counter!(
-        telemetry::STEPS_FAILED,
-        "flow_type" => task.flow_type.clone(),
-        "step" => task.step_type.clone()
-    )
-    .increment(1);
     let (action, mut history) = retry::after_failure(registry, task, &err, now);
     history.component = component;
     let failure = AttemptFailure::of(task, (action, history), false);
     match store.fail_attempt(failure).await {
-        Ok(()) | Err(StoreError::StaleLease { .. }) => {}
+        Ok(()) => count_failed(task),
+        Err(StoreError::StaleLease { .. }) => {}
         Err(err) => {
             tracing::warn!(error = %err, "recording a failed attempt failed; the lease will expire")
         }

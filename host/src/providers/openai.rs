@@ -118,6 +118,9 @@ impl OpenAiProvider {
         }
         let http = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(10))
+            // A redirect would carry the key and the configured headers
+            // (reqwest strips only `Authorization` across hosts): none.
+            .redirect(reqwest::redirect::Policy::none())
             .default_headers(headers)
             .build()?;
         Ok(Self {
