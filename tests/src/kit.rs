@@ -435,6 +435,15 @@ pub fn render_config(agents: &[KitAgent], settings: &KitSettings) -> String {
     text
 }
 
+/// (event, attempt) of every Step history entry of `step_type`.
+pub fn entries(history: &[dexa::flow::StepHistoryEntry], step_type: &str) -> Vec<(String, u32)> {
+    history
+        .iter()
+        .filter(|e| e.step_type == step_type)
+        .map(|e| (e.event_type.clone(), e.final_attempt))
+        .collect()
+}
+
 /// A gate in the stack's `/gates` directory.
 #[derive(Clone, Debug)]
 pub struct FileGate {

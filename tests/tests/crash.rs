@@ -2,13 +2,14 @@
 //! gates in the tool or the runner, or an abort right after a commit), and
 //! what runs again afterwards. See `dexa_tests::kit`.
 
-use dexa::flow::{history, StepHistoryEntry};
+use dexa::flow::history;
 use dexa::session::{
     event_type, step, AgentSnapshot, MessageRole, ResolveInterruptRequest, ToolCallStatus,
     ToolEffect,
 };
 use dexa_tests::kit::{
-    render_config, wait_for_agent_snapshot, wait_for_turns, AgentTestStack, KitAgent, KitSettings,
+    entries, render_config, wait_for_agent_snapshot, wait_for_turns, AgentTestStack, KitAgent,
+    KitSettings,
 };
 use dexa_tests::session::{last_text, texts_of};
 use serde_json::{json, Value};
@@ -43,15 +44,6 @@ async fn finished(stack: &AgentTestStack, id: &str) -> Vec<String> {
         .filter(|e| e.event_type == event_type::TOOL_CALL_FINISHED)
         .filter(|e| e.data["tool_call_id"] == id)
         .map(|e| e.data["status"].as_str().unwrap_or_default().to_string())
-        .collect()
-}
-
-/// (event, attempt) of every history entry of `step_type`.
-fn entries(history: &[StepHistoryEntry], step_type: &str) -> Vec<(String, u32)> {
-    history
-        .iter()
-        .filter(|e| e.step_type == step_type)
-        .map(|e| (e.event_type.clone(), e.final_attempt))
         .collect()
 }
 

@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 
 use dexa::flow::{history, StepHistoryEntry};
 use dexa::session::{event_type, step, ToolEffect};
-use dexa_tests::kit::{render_config, wait_for_turns, AgentTestStack, KitAgent, KitSettings};
+use dexa_tests::kit::{
+    entries, render_config, wait_for_turns, AgentTestStack, KitAgent, KitSettings,
+};
 use dexa_tests::session::last_text;
 use serde_json::{json, Value};
 
@@ -17,15 +19,6 @@ const AGENT: &str = "Drain";
 
 fn call(id: &str, tool: &str, args: Value) -> Value {
     json!({"id": id, "name": tool, "arguments": args})
-}
-
-/// (event, attempt) of every history entry of `step_type`.
-fn entries(history: &[StepHistoryEntry], step_type: &str) -> Vec<(String, u32)> {
-    history
-        .iter()
-        .filter(|e| e.step_type == step_type)
-        .map(|e| (e.event_type.clone(), e.final_attempt))
-        .collect()
 }
 
 /// The final status of tool call `id` in its tool_call_finished events.

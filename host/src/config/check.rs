@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::deploy::{model_provider, settings};
-use super::{ComponentConfig, ComponentRole, ConfigError, DexaConfig, ModelConfig};
+use super::{ComponentRole, ConfigError, DexaConfig, ModelConfig};
 use crate::plugin::{RunnerComponent, ToolComponent};
 use crate::session::AgentComponents;
 
@@ -51,16 +51,7 @@ pub async fn check(config: &DexaConfig, online: bool) -> Problems {
             }
         },
     };
-    let used: Vec<&ComponentConfig> = config
-        .components
-        .values()
-        .filter(|c| {
-            config
-                .agents
-                .values()
-                .any(|a| a.runner == c.name || a.tools.contains(&c.name))
-        })
-        .collect();
+    let used = config.used_components();
     let mut loaded_settings = Vec::new();
     for component in &used {
         match settings(config, component) {

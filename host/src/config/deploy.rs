@@ -63,16 +63,7 @@ impl Deployment {
     ) -> anyhow::Result<Self> {
         let (store, catalog) = open_store(&config).await?;
         let engine = versions::config_engine(&config)?;
-        let used: Vec<&ComponentConfig> = config
-            .components
-            .values()
-            .filter(|c| {
-                config
-                    .agents
-                    .values()
-                    .any(|a| a.runner == c.name || a.tools.contains(&c.name))
-            })
-            .collect();
+        let used = config.used_components();
         let mut all_settings = used
             .iter()
             .map(|component| settings(&config, component))

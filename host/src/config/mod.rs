@@ -778,6 +778,19 @@ impl DexaConfig {
     }
 
     /// An error about this file with no line (found after parsing).
+    /// The components some agent uses, as its runner or as a tool: what a
+    /// worker loads (and `dexa check` checks).
+    pub fn used_components(&self) -> Vec<&ComponentConfig> {
+        self.components
+            .values()
+            .filter(|c| {
+                self.agents
+                    .values()
+                    .any(|a| a.runner == c.name || a.tools.contains(&c.name))
+            })
+            .collect()
+    }
+
     pub fn error(&self, message: impl Into<String>) -> ConfigError {
         ConfigError {
             file: self.file.clone(),
