@@ -91,7 +91,8 @@ async fn a_rolling_restart_lets_a_running_single_attempt_tool_finish_and_spends_
         .unwrap_or_else(|| panic!("an idle worker did not exit on SIGTERM"));
     assert!(status.success(), "{status:?}");
     assert!(
-        stopping.elapsed() < Duration::from_secs(5),
+        // Well under the 30 s drain, with room for a busy machine.
+        stopping.elapsed() < Duration::from_secs(15),
         "an idle worker has nothing to drain"
     );
     sessions.send_user_message("s1", "again").await.unwrap();
