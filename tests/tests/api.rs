@@ -773,3 +773,41 @@ async fn an_oversized_message_gets_a_typed_413_queues_nothing_and_the_session_go
     assert_eq!(snapshot["state"]["turn_count"], 1, "{snapshot}");
     assert_eq!(snapshot["state"]["last_turn_error"], Value::Null);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_answer_carries_a_request_id_and_a_callers_id_is_kept() {
+    let server = ApiServer::helpdesk(json!({"turns": []})).await;
+    let http = reqwest::Client::new();
+    let id = |response: &reqwest::Response| {
+        response
+            .headers()
+            .get("x-request-id")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+    };
+    // A new id for each request, on answers of every kind (401, 404, 200).
+    let mut seen = std::collections::HashSet::new();
+    for (path, token, status) in [
+        ("/healthz", None, 200),
+        ("/v1/agents", None, 401),
+        ("/v1/agents", Some(TEST_TOKEN), 200),
+        ("/nowhere", Some(TEST_TOKEN), 404),
+    ] {
+        let mut request = http.get(format!("{}{path}", server.base));
+        if let Some(token) = token {
+            request = request.bearer_auth(token);
+        }
+        let response = request.send().await.unwrap();
+        assert_eq!(response.status(), status, "{path}");
+        let given = id(&response).unwrap_or_else(|| panic!("{path}: no x-request-id"));
+        assert_eq!(given.len(), 36, "a UUID: {given}");
+        assert!(seen.insert(given), "ids repeat");
+    }
+    let response = http
+        .get(format!("{}/healthz", server.base))
+        .header("x-request-id", "caller-7")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(id(&response).as_deref(), Some("caller-7"));
+}

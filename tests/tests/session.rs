@@ -729,6 +729,7 @@ fn running_state() -> AgentState {
         message_count: 1,
         last_turn_error: None,
         runner_digest: None,
+        turn_trace: None,
     }
 }
 

@@ -13,6 +13,7 @@ use serde_json::{json, Value};
 
 use super::{body, idempotency_key, query, ApiError, ApiState};
 use crate::session::{CancelOutcome, ListAgentMessagesRequest, SendOutcome, MAX_TURN_WAIT};
+use crate::telemetry::traces::TurnTrace;
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -71,11 +72,12 @@ pub(super) async fn send_message(
         None => None,
     };
     let sent = sessions
-        .send_tracked(
+        .send_traced(
             &session_id,
             &request.text,
             key.as_deref(),
             request.interrupt,
+            TurnTrace::from_headers(&headers),
         )
         .await?;
     let mut answer = match (sent.outcome, &key) {

@@ -10,6 +10,7 @@ mod messages;
 mod metrics;
 pub mod openapi;
 mod ready;
+pub mod request_log;
 mod versions;
 mod viewer;
 
@@ -116,7 +117,7 @@ pub fn router(state: ApiState) -> Router {
             state.clone(),
             require_token,
         ));
-    Router::new()
+    let app = Router::new()
         .merge(api)
         .route("/openapi.json", get(|| async { Json(openapi::document()) }))
         .route("/healthz", get(healthz))
@@ -134,7 +135,8 @@ pub fn router(state: ApiState) -> Router {
         // Set here rather than left to axum's default, so that the limit is
         // a documented part of the API; `body` turns its rejection into JSON.
         .layer(DefaultBodyLimit::max(MAX_REQUEST_BODY_BYTES))
-        .with_state(state)
+        .with_state(state);
+    request_log::around(app)
 }
 
 /// `GET /healthz`: the process is up and serving HTTP. Also served by the
@@ -282,6 +284,7 @@ fn check_session_id(id: &str) -> Result<(), ApiError> {
 async fn start_session(
     State(state): State<ApiState>,
     Path(agent): Path<String>,
+    headers: HeaderMap,
     payload: Result<Json<StartSessionBody>, JsonRejection>,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
     let request = body(payload)?;
@@ -294,7 +297,11 @@ async fn start_session(
         None => new_session_id(&agent.to_ascii_lowercase()),
     };
     sessions
-        .start_session(&session_id, &request.message)
+        .start_traced(
+            &session_id,
+            &request.message,
+            crate::telemetry::traces::TurnTrace::from_headers(&headers),
+        )
         .await?;
     Ok((
         StatusCode::CREATED,

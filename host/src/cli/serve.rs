@@ -10,7 +10,7 @@ use anyhow::Context;
 use clap::Args;
 
 use super::signals::Signals;
-use super::worker::print_progress;
+use super::worker::log_progress;
 use crate::api::limits::{raise_fd_limit, ConnectionLimits};
 use crate::api::{listener, router, ApiState};
 use crate::config::{Deployment, DexaConfig};
@@ -97,7 +97,7 @@ pub fn resolve_token(
 }
 
 fn worker_abandoned() {
-    eprintln!(
+    tracing::warn!(
         "dexa serve: stopped without waiting for the worker's Steps; they are delivered again \
          when their leases run out"
     );
@@ -131,11 +131,13 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let config = DexaConfig::load(&args.config)?;
     // Before the worker starts, which records from its first claim.
     let metrics = crate::telemetry::install_prometheus()?;
+    // Flushes the last spans when `run` returns.
+    let _traces = crate::telemetry::traces::install_from_env()?;
     let (token, source) = resolve_token(args.token_file.as_deref(), &config)?;
     let deployment = if args.no_worker {
         Deployment::for_clients(config).await?
     } else {
-        Deployment::for_workers(config, &print_progress).await?
+        Deployment::for_workers(config, &log_progress).await?
     };
     let deployment = Arc::new(deployment);
     // The worker drains (see `dexa worker`) once the server has stopped.
@@ -148,7 +150,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         let signals = signals.clone();
         tokio::spawn(worker.run(async move {
             signals.received(1).await;
-            eprintln!(
+            tracing::info!(
                 "dexa serve: the worker claims nothing more; its running Steps have {} to \
                  finish (a second signal stops at once)",
                 humantime::format_duration(drain)
@@ -163,11 +165,11 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .with_context(|| format!("cannot listen on {}", args.listen))?;
     let address = tcp.local_addr()?;
     let agents: Vec<&String> = deployment.config.agents.keys().collect();
-    eprintln!(
+    tracing::info!(
         "dexa serve: http://{address} (API under /v1, OpenAPI at /openapi.json); agents {agents:?}; {}; the API token is in {source}",
         if args.no_worker { "no worker (run dexa worker)" } else { "with a worker" }
     );
-    eprintln!(
+    tracing::info!(
         "dexa serve: up to {} connections ({} more for /healthz), headers within {} (open-file limit {fd_limit})",
         limits.max_connections,
         limits.health_reserve,
@@ -188,7 +190,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             } else {
                 std::future::pending::<()>().await;
             }
-        } => eprintln!("closed the event streams still open"),
+        } => tracing::info!("dexa serve: closed the event streams still open"),
     }
     if let Some(worker) = worker {
         tokio::select! {
@@ -196,7 +198,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             () = signals.received(2) => worker_abandoned(),
         }
     }
-    eprintln!("dexa serve stopped");
+    tracing::info!("dexa serve stopped");
     Ok(())
 }
 

@@ -56,7 +56,7 @@ pub fn print_progress(progress: LoadProgress) {
 
 /// Load progress as log lines, for a daemon whose stderr goes to a log
 /// pipeline (`--log-format json`).
-fn log_progress(progress: LoadProgress) {
+pub(super) fn log_progress(progress: LoadProgress) {
     match progress {
         LoadProgress::Loading {
             component,
@@ -74,6 +74,8 @@ fn log_progress(progress: LoadProgress) {
 pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     let signals = super::signals::Signals::listen()?;
     let config = DexaConfig::load(&args.config)?;
+    // Flushes the last spans when `run` returns.
+    let _traces = crate::telemetry::traces::install_from_env()?;
     if let Some(address) = args.metrics_listen {
         serve_metrics(address).await?;
     }
@@ -95,7 +97,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         options.worker_id = id;
     }
     if let Some(step_type) = args.crash_after_commit {
-        eprintln!("fault injection: this worker aborts after its first {step_type} commit");
+        tracing::warn!("fault injection: this worker aborts after its first {step_type} commit");
         options.on_step_committed = Some(Arc::new(move |task: &ClaimedTask, _| {
             if task.step_type == step_type {
                 eprintln!(

@@ -9,6 +9,21 @@ use serde::de::DeserializeOwned;
 use super::registry::StepError;
 use super::store::{FlowStore, StateAnswer, StateQuery};
 use super::types::{ChannelMessage, ClaimedTask, Json, MapQuery, StoreMillis, Versioned};
+use crate::telemetry::traces::SpanParent;
+
+/// Work to do once the attempt's result has committed (and never if it
+/// does not).
+pub type OnCommit = Box<dyn FnOnce() + Send>;
+
+/// Where the attempt's span is reported, and what it adds.
+#[derive(Default)]
+pub(crate) struct AttemptTrace {
+    /// The span the attempt's span is a child of; None: a trace of its own.
+    pub(crate) parent: Option<SpanParent>,
+    /// Attributes beyond the engine's own (the handler's: a turn, say).
+    pub(crate) attributes: Vec<opentelemetry::KeyValue>,
+    pub(crate) on_commit: Vec<OnCommit>,
+}
 
 /// Liveness of one running Step. Cheap to clone; `beat` is synchronous so that
 /// host imports can call it.
@@ -67,6 +82,7 @@ pub struct StepContext {
     heartbeat: Heartbeat,
     /// The version of the component the attempt ran, for its history entry.
     component: Arc<Mutex<Option<String>>>,
+    trace: Arc<Mutex<AttemptTrace>>,
 }
 
 impl StepContext {
@@ -80,7 +96,34 @@ impl StepContext {
             store,
             heartbeat,
             component: Arc::new(Mutex::new(None)),
+            trace: Arc::new(Mutex::new(AttemptTrace::default())),
         }
+    }
+
+    /// Reports this attempt's span under `parent` (a span of the flow's
+    /// own, such as a turn's, perhaps in another process), with
+    /// `attributes` besides the engine's.
+    pub fn trace_under(&self, parent: SpanParent, attributes: Vec<opentelemetry::KeyValue>) {
+        if let Ok(mut trace) = self.trace.lock() {
+            trace.parent = Some(parent);
+            trace.attributes = attributes;
+        }
+    }
+
+    /// Runs `then` after this attempt's result commits, never if it does
+    /// not (for reports that must not repeat with a retried attempt).
+    pub fn on_commit(&self, then: impl FnOnce() + Send + 'static) {
+        if let Ok(mut trace) = self.trace.lock() {
+            trace.on_commit.push(Box::new(then));
+        }
+    }
+
+    /// What [`Self::trace_under`] and [`Self::on_commit`] recorded.
+    pub(crate) fn take_trace(&self) -> AttemptTrace {
+        self.trace
+            .lock()
+            .map(|mut trace| std::mem::take(&mut *trace))
+            .unwrap_or_default()
     }
 
     /// Says which component version (digest) this attempt runs: its history

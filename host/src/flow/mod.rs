@@ -5,6 +5,7 @@
 //!
 //! Storage is behind [`store::FlowStore`]; backends live in `crate::store`.
 
+mod attempt_span;
 pub mod client;
 pub mod context;
 mod drain;
@@ -19,7 +20,7 @@ pub mod types;
 pub mod worker;
 
 pub use client::{FlowClient, FlowError, RPC_LOCK_RETRY};
-pub use context::{Heartbeat, StepContext};
+pub use context::{Heartbeat, OnCommit, StepContext};
 pub use outage::StoreHealth;
 pub use registry::{FlowType, Registry, RegistryError, StepDef, StepError, StepHandler};
 pub use store::{ClaimNext, FlowStore, RpcError, StateAnswer, StateQuery, StateTx, StoreError};

@@ -5,10 +5,11 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use tokio::task::{AbortHandle, JoinSet};
 
+use super::attempt_span::{self, SpanOutcome};
 use super::context::{Heartbeat, StepContext};
 use super::drain::DrainState;
 use super::outage::{Outage, StoreHealth};
@@ -339,6 +340,7 @@ async fn run_one(
     claim_next: &ClaimNext,
 ) -> Option<(ClaimedTask, u64)> {
     let claimed_at = Instant::now();
+    let started = SystemTime::now();
     metrics::counter!(
         telemetry::STEPS_STARTED,
         "flow_type" => task.flow_type.clone(),
@@ -361,7 +363,7 @@ async fn run_one(
         .flow_type(&task.flow_type)
         .ok()
         .and_then(|flow_type| flow_type.step_def(&task.step_type).cloned());
-    let mut component = None;
+    let mut handler_ctx = None;
     let result = match def {
         None => Err(AttemptError::Step(StepError::fatal(format!(
             "no handler is registered for step {} of flow type {}",
@@ -369,7 +371,7 @@ async fn run_one(
         )))),
         Some(def) => {
             let ctx = StepContext::new(task.clone(), store.clone(), heartbeat.clone());
-            component = Some(ctx.clone());
+            handler_ctx = Some(ctx.clone());
             // Its own task, so that a panic fails the attempt, not the worker.
             let handle = tokio::spawn(def.handler.run(ctx));
             if let Ok(mut held) = held.lock() {
@@ -381,10 +383,12 @@ async fn run_one(
             super::supervise::supervise(handle, &task.policy, &heartbeat, taken).await
         }
     };
-    let component = component.and_then(|ctx| ctx.component());
+    let ctx = handler_ctx.as_ref();
+    let component = ctx.and_then(StepContext::component);
     if result.is_err() && drain_state.cut.load(Ordering::Acquire) {
         // Stopped by the drain's deadline: neither a failure to record nor
         // an attempt spent; the drain hands the lease back.
+        attempt_span::report(&task, ctx, started, SpanOutcome::Stopped);
         return None;
     }
     if let Ok(mut held) = held.lock() {
@@ -403,8 +407,14 @@ async fn run_one(
             } else {
                 claim_next
             };
-            let claimed =
-                commit(store, registry, &task, step_result, claim_next, component).await?;
+            let committed =
+                commit(store, registry, &task, step_result, claim_next, component).await;
+            let outcome = match committed {
+                Some(_) => SpanOutcome::Committed,
+                None => SpanOutcome::NotCommitted,
+            };
+            attempt_span::report(&task, ctx, started, outcome);
+            let claimed = committed?;
             metrics::counter!(
                 telemetry::STEPS_COMPLETED,
                 "flow_type" => task.flow_type.clone(),
@@ -419,6 +429,7 @@ async fn run_one(
             claimed.into_iter().next().map(|next| (next, since))
         }
         Err(AttemptError::Taken) => {
+            attempt_span::report(&task, ctx, started, SpanOutcome::Taken);
             tracing::info!(
                 flow_id = %task.flow_id,
                 step = %task.step_type,
@@ -428,7 +439,9 @@ async fn run_one(
             None
         }
         Err(err) => {
+            let message = err.message();
             fail(store, registry, &task, err, component).await;
+            attempt_span::report(&task, ctx, started, SpanOutcome::Failed(&message));
             None
         }
     }

@@ -3,6 +3,7 @@
 //! take the store's writer; sends honour an idempotency key and refuse a
 //! message over the user-message cap before anything is queued.
 
+use crate::telemetry::traces::TurnTrace;
 use sha2::{Digest, Sha256};
 
 use crate::flow::{
@@ -297,9 +298,22 @@ impl AgentSessionClient {
         session_id: &str,
         initial_message: &str,
     ) -> Result<(), SessionError> {
+        self.start_traced(session_id, initial_message, TurnTrace::new_root())
+            .await
+    }
+
+    /// [`start_session`](Self::start_session), with the trace of the turn
+    /// the initial message starts (see [`TurnTrace::from_headers`]).
+    pub async fn start_traced(
+        &self,
+        session_id: &str,
+        initial_message: &str,
+        trace: TurnTrace,
+    ) -> Result<(), SessionError> {
         self.check_user_message(initial_message)?;
         let input = AgentSessionStartInput {
             initial_message: Some(initial_message.to_string()),
+            initial_trace: Some(trace),
         };
         let input =
             serde_json::to_value(input).map_err(|err| RpcError::Rejected(err.to_string()))?;
@@ -362,6 +376,26 @@ impl AgentSessionClient {
         idempotency_key: Option<&str>,
         interrupt: bool,
     ) -> Result<Sent, SessionError> {
+        self.send_traced(
+            session_id,
+            text,
+            idempotency_key,
+            interrupt,
+            TurnTrace::new_root(),
+        )
+        .await
+    }
+
+    /// [`send_tracked`](Self::send_tracked), with the trace of the turn the
+    /// message starts (see [`TurnTrace::from_headers`]).
+    pub async fn send_traced(
+        &self,
+        session_id: &str,
+        text: &str,
+        idempotency_key: Option<&str>,
+        interrupt: bool,
+        trace: TurnTrace,
+    ) -> Result<Sent, SessionError> {
         if let Some(key) = idempotency_key {
             check_idempotency_key(key)?;
         }
@@ -378,6 +412,7 @@ impl AgentSessionClient {
             text: text.to_string(),
             requeued: 0,
             message_id: Some(message_id.clone()),
+            trace: Some(trace),
         };
         let message =
             serde_json::to_value(&user).map_err(|err| RpcError::Rejected(err.to_string()))?;

@@ -123,6 +123,13 @@ impl AgentSessionFlow {
         let steps = self.steps.clone();
         // An event too large for the stream is dropped by the store, judged
         // by the stream's own capacity, and never sinks the commit.
-        StepDef::new(name, move |ctx: StepContext| run(steps.clone(), ctx))
+        let run = Arc::new(run);
+        StepDef::new(name, move |ctx: StepContext| {
+            let (steps, run) = (steps.clone(), run.clone());
+            async move {
+                super::steps::join_open_turn(&ctx).await;
+                run(steps, ctx).await
+            }
+        })
     }
 }

@@ -3,8 +3,9 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::flow::{FlowStatus, Json, StoreMillis};
+use crate::flow::{FlowStatus, Json, StepContext, StoreMillis};
 use crate::plugin::wit;
+use crate::telemetry::traces::TurnTrace;
 
 /// Attribute: the session's [`AgentState`].
 pub const AGENT_STATE: &str = "AGENT_STATE";
@@ -84,6 +85,9 @@ pub struct AgentState {
     /// the turn runs it. None between turns.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub runner_digest: Option<String>,
+    /// The open turn's trace (from its user message). None between turns.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub turn_trace: Option<TurnTrace>,
 }
 
 impl AgentState {
@@ -95,6 +99,16 @@ impl AgentState {
             message_count: 0,
             last_turn_error: None,
             runner_digest: None,
+            turn_trace: None,
+        }
+    }
+
+    /// Ends the open turn's trace: its span is reported, with `outcome`,
+    /// once `ctx`'s result commits.
+    pub(crate) fn end_turn_trace(&mut self, ctx: &StepContext, turn: &str, outcome: &'static str) {
+        if let Some(trace) = self.turn_trace.take() {
+            let (session, turn) = (ctx.flow_id().to_string(), turn.to_string());
+            ctx.on_commit(move || trace.report_end(&session, &turn, outcome));
         }
     }
 }
@@ -399,6 +413,9 @@ pub struct AgentUserMessage {
     /// for that turn. None for messages queued before ids were given.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message_id: Option<String>,
+    /// The trace of the turn it starts (see [`crate::telemetry::traces`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace: Option<TurnTrace>,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -417,6 +434,9 @@ pub struct ToolCallCompleted {
 pub struct AgentSessionStartInput {
     #[serde(default)]
     pub initial_message: Option<String>,
+    /// The trace of the turn the initial message starts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub initial_trace: Option<TurnTrace>,
 }
 
 /// `resolve_interrupt`'s request.

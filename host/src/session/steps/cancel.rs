@@ -160,6 +160,7 @@ impl SessionSteps {
         state.active_turn_id = None;
         state.last_turn_error = None;
         state.runner_digest = None;
+        state.end_turn_trace(&ctx, &turn, "cancelled");
         let result = result
             .clear(AGENT_TOOL_CALLS)
             .delete(FRAMEWORK_RUN_STATE, "")

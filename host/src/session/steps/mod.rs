@@ -27,6 +27,7 @@ use crate::flow::{
 use crate::plugin::wit::{self, DeferredToolExecution, ToolError, TurnOutcome};
 use crate::plugin::TurnInput;
 use crate::plugin::{CallEnv, RunnerComponent, StepTag, ToolComponent};
+use crate::telemetry::traces::TurnTrace;
 
 mod cancel;
 mod model;
@@ -70,6 +71,29 @@ fn round_up_to_second(at: StoreMillis) -> StoreMillis {
         whole
     } else {
         whole.saturating_add(1000)
+    }
+}
+
+/// Reports this attempt's span into `trace`, the trace of `turn`.
+fn join_turn_trace(ctx: &StepContext, trace: Option<&TurnTrace>, turn: &str) {
+    if let Some(parent) = trace.and_then(TurnTrace::as_parent) {
+        ctx.trace_under(
+            parent,
+            vec![opentelemetry::KeyValue::new("dexa.turn", turn.to_string())],
+        );
+    }
+}
+
+/// With traces exported, reports this attempt's span into the open turn's
+/// trace (read from the session's state; nothing between turns).
+pub(crate) async fn join_open_turn(ctx: &StepContext) {
+    if !crate::telemetry::traces::enabled() {
+        return;
+    }
+    if let Ok(Some(state)) = ctx.get_value::<AgentState>(AGENT_STATE, "").await {
+        if let Some(turn) = &state.active_turn_id {
+            join_turn_trace(ctx, state.turn_trace.as_ref(), turn);
+        }
     }
 }
 

@@ -144,6 +144,9 @@ impl SessionSteps {
         let turn = turn_id(number);
         let tag = Self::tag(ctx, &turn);
         let text = user.text.as_str();
+        // This attempt is the turn's first: it reports into the turn's trace.
+        state.turn_trace = user.trace.clone();
+        join_turn_trace(ctx, state.turn_trace.as_ref(), &turn);
         // A new turn takes the version active for this session now (or its
         // ramp's), and keeps it to its end.
         // These Steps have no failure route, so a version they cannot have
@@ -181,7 +184,10 @@ impl SessionSteps {
                     text: text.to_string(),
                     requeued: user.requeued + 1,
                     message_id: user.message_id.clone(),
+                    trace: user.trace.clone(),
                 });
+                // The message waits again, outside any turn.
+                state.turn_trace = None;
                 return Ok(StepResult::go_to(await_user_message_call())
                     .with_writes(result.writes)
                     .set(AGENT_STATE, to_json(&state))
@@ -194,6 +200,7 @@ impl SessionSteps {
                 state.active_turn_id = None;
                 state.status = SessionStatus::WaitingForUserMessage;
                 state.last_turn_error = Some(error.clone());
+                state.end_turn_trace(ctx, &turn, "failed");
                 return Ok(StepResult::go_to(await_user_message_call())
                     .with_writes(result.writes)
                     .set(AGENT_STATE, to_json(&state))
@@ -254,6 +261,7 @@ impl SessionSteps {
                     text: text.to_string(),
                     requeued: 0,
                     message_id: None,
+                    trace: input.initial_trace.clone(),
                 };
                 self.begin_turn(&ctx, state, &user, result).await
             }
@@ -314,6 +322,7 @@ impl SessionSteps {
         state.active_turn_id = None;
         state.last_turn_error = Some(error.clone());
         state.runner_digest = None;
+        state.end_turn_trace(&ctx, &turn, "failed");
         Ok(result
             .clear(AGENT_TOOL_CALLS)
             .delete(FRAMEWORK_RUN_STATE, "")

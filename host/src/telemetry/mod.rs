@@ -1,10 +1,12 @@
-//! Metrics: their names (one place, so that the code that records them and
+//! Metrics and traces. Metrics: their names (one place, so that the code that records them and
 //! the documentation agree), and the Prometheus recorder behind
 //! `GET /metrics` on `dexa serve` and `dexa worker --metrics-listen`.
 //!
 //! Recording goes through the `metrics` facade: without an installed
 //! recorder (tests, `dexa demo`) it costs an atomic load and records
 //! nothing.
+
+pub mod traces;
 
 use std::sync::Mutex;
 use std::time::Duration;
