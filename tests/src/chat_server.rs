@@ -1,5 +1,5 @@
 //! A loopback HTTP server that speaks OpenAI's streaming chat-completions
-//! protocol, replaying recorded transcripts (`../shared/fixtures/openai`) the
+//! protocol, replaying recorded transcripts (`tests/fixtures/openai`) the
 //! way real servers send them: CRLF line endings, `: keep-alive` comments, and
 //! the body split at arbitrary bytes (inside JSON strings and UTF-8
 //! characters). It records every request it gets.

@@ -280,3 +280,59 @@ fn the_containerfile_agrees_with_the_readme_and_cargo_toml() {
         }
     }
 }
+
+/// The documents a clone has link only to files it has: every relative
+/// Markdown link of the README, SECURITY.md and `docs/` names a file in the
+/// repository, and none points outside it (`../shared`, which a clone does
+/// not have).
+#[test]
+fn the_readme_and_docs_link_only_to_files_in_the_repository() {
+    let root = repo_root();
+    let mut documents = vec![root.join("README.md"), root.join("SECURITY.md")];
+    let mut dirs = vec![root.join("docs")];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "md") {
+                documents.push(path);
+            }
+        }
+    }
+    assert!(documents.len() >= 5, "{documents:?}");
+    let mut checked = 0;
+    for document in &documents {
+        let text = std::fs::read_to_string(document).unwrap();
+        assert!(
+            !text.contains("../shared"),
+            "{} points outside the repository",
+            document.display()
+        );
+        for (_, rest) in text
+            .match_indices("](")
+            .map(|(at, _)| ("", &text[at + 2..]))
+        {
+            let Some(target) = rest.split(')').next() else {
+                continue;
+            };
+            let target = target.split('#').next().unwrap_or_default();
+            if target.is_empty() || target.contains("://") || target.starts_with("mailto:") {
+                continue;
+            }
+            let resolved = document.parent().unwrap().join(target);
+            assert!(
+                resolved.exists(),
+                "{} links to {target}, which is not in the repository",
+                document.display()
+            );
+            assert!(
+                resolved.canonicalize().unwrap().starts_with(&root),
+                "{} links outside the repository: {target}",
+                document.display()
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked >= 5, "only {checked} links checked");
+}

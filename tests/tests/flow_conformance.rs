@@ -1660,6 +1660,28 @@ async fn leases_fence_the_retry_policy(factory: &dyn StoreFactory) {
     );
 }
 
+/// The queue depth `/metrics` shows counts the tasks by state.
+async fn task_counts_count_the_tasks_by_state(factory: &dyn StoreFactory) {
+    let stack = Stack::new(factory);
+    let counts = stack.store.task_counts().await.expect("counts");
+    assert_eq!(counts, dexa::flow::TaskCounts::default(), "an empty store");
+    for id in ["q1", "q2", "q3"] {
+        stack
+            .client
+            .start_flow("Noop", id, json!({}))
+            .await
+            .expect("start");
+    }
+    let counts = stack.store.task_counts().await.expect("counts");
+    assert_eq!((counts.ready, counts.waiting, counts.leased), (3, 0, 0));
+    let types = vec!["Noop".to_string()];
+    claim_one(&stack, "w", &types, 10_000)
+        .await
+        .expect("a task");
+    let counts = stack.store.task_counts().await.expect("counts");
+    assert_eq!((counts.ready, counts.waiting, counts.leased), (2, 0, 1));
+}
+
 macro_rules! backends {
     ($($test:ident),* $(,)?) => {
         mod sqlite {
@@ -1703,4 +1725,5 @@ backends!(
     a_killed_worker_process_mid_step,
     leases_fence_the_retry_policy,
     a_map_read_pages_by_range_order_limit_and_bytes,
+    task_counts_count_the_tasks_by_state,
 );

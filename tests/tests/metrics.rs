@@ -12,6 +12,7 @@ use dexa::flow::{history, StepHistoryEntry};
 use dexa::telemetry;
 use dexa_tests::api_server::{helpdesk_config, TEST_TOKEN};
 use dexa_tests::kit::{wait_for_turns, AgentTestStack, KitAgent};
+use futures_util::StreamExt;
 use serde_json::json;
 
 /// One sample of the exposition: its name, labels and value.
@@ -186,6 +187,85 @@ async fn serve_metrics_need_the_token_and_count_what_the_step_history_records() 
     })
     .await;
     assert_counts_match(&samples, "Helpdesk", &history);
+
+    // The queue: the idle session's one task waits for its next message.
+    let queue = |samples: &[Sample], state: &str| {
+        value(samples, telemetry::QUEUE_TASKS, &[("state", state)])
+    };
+    assert_eq!(queue(&samples, "waiting"), Some(1.0));
+    assert_eq!(queue(&samples, "ready"), Some(0.0));
+    assert_eq!(queue(&samples, "leased"), Some(0.0));
+    // SQLite's group commits: every committed Step wrote in one.
+    let commits = value(
+        &samples,
+        &format!("{}_count", telemetry::SQLITE_BATCH_COMMIT),
+        &[],
+    )
+    .unwrap_or_default();
+    let writes = value(
+        &samples,
+        &format!("{}_sum", telemetry::SQLITE_BATCH_WRITES),
+        &[],
+    )
+    .unwrap_or_default();
+    let committed: f64 = completed_by_step(&history).values().sum();
+    assert!(
+        commits >= 1.0 && writes >= committed,
+        "{commits} commits of {writes} writes"
+    );
+    // Guest calls by the runner's digest, the sha256 of its file.
+    let runner = std::fs::read(dexa_tests::guest_wasm("scripted-runner")).unwrap();
+    let digest = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&runner));
+    let timed = value(
+        &samples,
+        &format!("{}_count", telemetry::GUEST_CALL_DURATION),
+        &[
+            ("component", "runner"),
+            ("digest", digest.as_str()),
+            ("export", "run-model-step"),
+        ],
+    );
+    assert_eq!(timed, completed_by_step(&history).get("RunModel").copied());
+
+    // The event stream: the bytes of what a client was sent.
+    let before = value(&samples, telemetry::EVENT_STREAM_BYTES, &[]).unwrap_or_default();
+    let response = http
+        .get(format!("{base}/v1/sessions/m1/events"))
+        .bearer_auth(TEST_TOKEN)
+        .send()
+        .await
+        .unwrap();
+    let mut stream = response.bytes_stream();
+    let mut sent = String::new();
+    // Both turns' events are stored: read until the second turn's end.
+    while sent.matches("event: turn_completed").count() < 2 {
+        let chunk = tokio::time::timeout(Duration::from_secs(10), stream.next())
+            .await
+            .expect("events within 10 s")
+            .expect("the stream stays open")
+            .unwrap();
+        sent.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    drop(stream);
+    let data: usize = sent
+        .lines()
+        .filter_map(|line| line.strip_prefix("data: "))
+        .map(str::len)
+        .sum();
+    let text = http
+        .get(format!("{base}/metrics"))
+        .bearer_auth(TEST_TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let after = value(&parse(&text), telemetry::EVENT_STREAM_BYTES, &[]).unwrap_or_default();
+    assert!(
+        after - before >= data as f64 && data > 0,
+        "{before} -> {after} after {data} bytes of data"
+    );
     server.abort();
     worker.abort();
 }
@@ -231,6 +311,17 @@ async fn a_worker_process_serves_its_metrics_at_metrics_listen() {
         })
         .await;
     assert_counts_match(&samples, "Counted", &history);
+    // Loaded, and the store takes its claims.
+    let ready = http
+        .get(format!("http://{address}/readyz"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ready.status(), 200);
+    assert_eq!(
+        value(&samples, telemetry::QUEUE_TASKS, &[("state", "waiting")]),
+        Some(1.0)
+    );
     // The tool's one call (besides its list-tools at load), and the
     // runner's calls (one per RunModel).
     let calls = |component: &str, export: &str| -> f64 {

@@ -45,7 +45,7 @@ async fn serve(stack: &AgentTestStack) -> Serve {
         ])
         .arg(&stack.config_path)
         .env("DEXA_API_TOKEN", TEST_TOKEN)
-        .env("RUST_LOG", "warn")
+        .env("RUST_LOG", "warn,dexa::cli::serve=info")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(out)

@@ -369,7 +369,7 @@ impl Serve {
             ])
             .arg(&stack.config_path)
             .env("DEXA_API_TOKEN", TOKEN)
-            .env("RUST_LOG", "warn")
+            .env("RUST_LOG", "warn,dexa::cli::serve=info")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(file)

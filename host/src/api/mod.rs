@@ -7,7 +7,7 @@ pub mod error;
 pub mod limits;
 pub mod listener;
 mod messages;
-mod metrics;
+pub mod metrics;
 pub mod openapi;
 mod ready;
 pub mod request_log;
@@ -437,9 +437,14 @@ async fn events(
                     } else {
                         sse
                     };
-                    let sse = sse
-                        .json_data(&event)
-                        .unwrap_or_else(|_| Event::default().comment("unencodable event"));
+                    let sse = match serde_json::to_string(&event) {
+                        Ok(data) => {
+                            ::metrics::counter!(crate::telemetry::EVENT_STREAM_BYTES)
+                                .increment(data.len() as u64);
+                            sse.data(data)
+                        }
+                        Err(_) => Event::default().comment("unencodable event"),
+                    };
                     return Some((Ok(sse), (sessions, session_id, after, buffered)));
                 }
                 // Armed before the read, so that an append between the read

@@ -3,14 +3,15 @@
 //! share one store.
 
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use anyhow::Context;
 use clap::Args;
 
+use crate::api::error::ApiError;
 use crate::config::deploy::LoadProgress;
 use crate::config::{Deployment, DexaConfig};
-use crate::flow::ClaimedTask;
+use crate::flow::{ClaimedTask, FlowStore, StoreHealth};
 
 #[derive(Args, Debug)]
 pub struct WorkerArgs {
@@ -76,8 +77,9 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     let config = DexaConfig::load(&args.config)?;
     // Flushes the last spans when `run` returns.
     let _traces = crate::telemetry::traces::install_from_env()?;
+    let loaded = Arc::new(OnceLock::new());
     if let Some(address) = args.metrics_listen {
-        serve_metrics(address).await?;
+        serve_metrics(address, loaded.clone()).await?;
     }
     if config.agents.is_empty() {
         anyhow::bail!(config.error("there are no [agents.NAME] sections, so no work to do"));
@@ -116,6 +118,10 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         store = %deployment.config.store.describe(),
         "worker ready"
     );
+    let _ = loaded.set(Loaded {
+        store: deployment.store.clone(),
+        health: deployment.store_health.clone(),
+    });
     let drain = options.drain;
     let run = deployment.worker_with(options).run(async {
         signals.received(1).await;
@@ -135,29 +141,53 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Serves the worker's metrics at `address` until the process ends.
-async fn serve_metrics(address: std::net::SocketAddr) -> anyhow::Result<()> {
+/// What the metrics listener reads once the worker has loaded.
+struct Loaded {
+    store: Arc<dyn FlowStore>,
+    health: StoreHealth,
+}
+
+/// Serves the worker's metrics at `address` until the process ends:
+/// `/metrics` (with the queue depth once the store is open), `/healthz`
+/// (alive), and `/readyz`: 503 `loading` until the components are loaded,
+/// 503 `store_unavailable` while the store refuses the worker's claims, else
+/// 200. Set `loaded` once the worker has loaded.
+async fn serve_metrics(
+    address: std::net::SocketAddr,
+    loaded: Arc<OnceLock<Loaded>>,
+) -> anyhow::Result<()> {
     let handle = crate::telemetry::install_prometheus()?;
     let listener = tokio::net::TcpListener::bind(address)
         .await
         .with_context(|| format!("cannot listen on {address} (--metrics-listen)"))?;
+    let scraped = loaded.clone();
     let app = axum::Router::new()
         .route(
             "/metrics",
             axum::routing::get(move || {
-                let handle = handle.clone();
+                let (handle, loaded) = (handle.clone(), scraped.clone());
                 async move {
+                    if let Some(loaded) = loaded.get() {
+                        crate::api::metrics::record_queue_depth(loaded.store.as_ref()).await;
+                    }
                     (
                         [(
                             axum::http::header::CONTENT_TYPE,
-                            "text/plain; version=0.0.4; charset=utf-8",
+                            crate::api::metrics::PROMETHEUS_TEXT,
                         )],
                         crate::telemetry::render(&handle),
                     )
                 }
             }),
         )
-        .route("/healthz", axum::routing::get(|| async { "ok" }));
+        .route("/healthz", axum::routing::get(|| async { "ok" }))
+        .route(
+            "/readyz",
+            axum::routing::get(move || {
+                let loaded = loaded.clone();
+                async move { worker_ready(loaded.get()) }
+            }),
+        );
     tracing::info!(address = %listener.local_addr()?, "serving metrics at /metrics");
     tokio::spawn(async move {
         if let Err(err) = axum::serve(listener, app).await {
@@ -165,4 +195,25 @@ async fn serve_metrics(address: std::net::SocketAddr) -> anyhow::Result<()> {
         }
     });
     Ok(())
+}
+
+/// `/readyz` of a worker: see [`serve_metrics`].
+fn worker_ready(loaded: Option<&Loaded>) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let unavailable = axum::http::StatusCode::SERVICE_UNAVAILABLE;
+    match loaded {
+        None => ApiError::new(
+            unavailable,
+            "loading",
+            "the worker is loading its components",
+        )
+        .into_response(),
+        Some(loaded) if loaded.health.unavailable_since_ms().is_some() => ApiError::new(
+            unavailable,
+            "store_unavailable",
+            "the store refuses this worker's claims; it backs off and resumes by itself",
+        )
+        .into_response(),
+        Some(_) => axum::Json(serde_json::json!({"ok": true})).into_response(),
+    }
 }

@@ -9,7 +9,7 @@ use tokio::sync::Notify;
 
 use super::types::{
     ClaimedTask, FlowInfo, FlowStatus, Json, MapQuery, NewTask, StateWrite, StepHistoryEntry,
-    StoreMillis, StreamPage, TakenTask, Versioned,
+    StoreMillis, StreamPage, TakenTask, TaskCounts, Versioned,
 };
 
 /// Why a store operation failed.
@@ -227,6 +227,10 @@ pub trait FlowStore: Send + Sync + 'static {
         first: NewTask,
     ) -> Result<(), StoreError>;
     async fn flow(&self, flow_id: &str) -> Result<Option<FlowInfo>, StoreError>;
+
+    /// How many tasks are in each state, over all flows (the queue depth
+    /// `/metrics` shows). A scan of the tasks: for scrapes, not hot paths.
+    async fn task_counts(&self) -> Result<TaskCounts, StoreError>;
     async fn list_flows(
         &self,
         flow_type: Option<&str>,

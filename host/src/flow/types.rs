@@ -445,6 +445,29 @@ impl FlowStatus {
     }
 }
 
+/// Tasks by state, over all flows.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TaskCounts {
+    /// Runnable now, or after a retry's back-off.
+    pub ready: u64,
+    /// Waiting for a message or a timer (an idle session's next turn).
+    pub waiting: u64,
+    /// Running under a worker's lease.
+    pub leased: u64,
+}
+
+impl TaskCounts {
+    /// Adds `count` tasks of `state` (a value of the tasks' `state` column).
+    pub fn add(&mut self, state: &str, count: u64) {
+        match state {
+            "ready" => self.ready += count,
+            "waiting" => self.waiting += count,
+            "leased" => self.leased += count,
+            _ => {}
+        }
+    }
+}
+
 /// A flow's row.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FlowInfo {

@@ -122,6 +122,8 @@ pub(crate) struct Call {
     /// When the call must be over, counted from before it waited for a slot.
     pub deadline: Instant,
     component: Arc<str>,
+    /// The component's sha256, for the metrics.
+    digest: Arc<str>,
     stderr: MemoryOutputPipe,
     events: EventWriter,
     denied_http: DeniedRequests,
@@ -244,6 +246,7 @@ impl Call {
             timeout: env.timeout,
             deadline,
             component,
+            digest: Arc::from(settings.digest.as_str()),
             stderr,
             events,
             denied_http,
@@ -278,8 +281,13 @@ impl Call {
             ("component", self.component.to_string()),
             ("export", self.export.to_string()),
         ];
-        metrics::histogram!(crate::telemetry::GUEST_CALL_DURATION, &labels)
-            .record(self.started.elapsed().as_secs_f64());
+        metrics::histogram!(
+            crate::telemetry::GUEST_CALL_DURATION,
+            "component" => self.component.to_string(),
+            "digest" => self.digest.to_string(),
+            "export" => self.export
+        )
+        .record(self.started.elapsed().as_secs_f64());
         let outcome = self.settle(result);
         let kind = match &outcome {
             Ok(_) => "ok",

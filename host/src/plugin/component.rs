@@ -34,6 +34,9 @@ pub struct ComponentSettings {
     pub limits: ComponentLimits,
     /// Values the guest reads through `config.get`.
     pub config: ComponentConfig,
+    /// The component's sha256, set when it is loaded: its calls' metrics
+    /// are labelled with it, so that two versions of one name stay apart.
+    pub digest: String,
 }
 
 impl ComponentSettings {
@@ -130,6 +133,7 @@ impl SandboxEngine {
                 reason,
             })?;
         let sha256 = sha256_hex(wasm);
+        settings.digest = sha256.clone();
         let (component, cache) = match self.cache() {
             Some(cache) => cache.load_or_compile(self.engine(), &name, &sha256, wasm),
             None => compile(self.engine(), &name, wasm)

@@ -38,17 +38,34 @@ pub const STORE_OUTAGES: &str = "dexa_store_outages_total";
 /// `outcome`: `ok`, `trapped`, `timed_out` (the epoch interrupt), `limit`
 /// (memory, fuel, output, handles).
 pub const GUEST_CALLS: &str = "dexa_guest_calls_total";
-/// A guest call's duration in seconds, by `component` and `export`.
+/// A guest call's duration in seconds, by `component`, `digest` (its
+/// sha256: each version apart) and `export`.
 pub const GUEST_CALL_DURATION: &str = "dexa_guest_call_seconds";
 /// Requests and connections a guest made that its grants refused, by
 /// `kind` (`http`, `tcp`).
 pub const GRANTS_REFUSED: &str = "dexa_grants_refused_total";
+
+/// Writes per SQLite group commit (one transaction): each process's writer
+/// thread batches what is queued while the last commit ran.
+pub const SQLITE_BATCH_WRITES: &str = "dexa_sqlite_batch_writes";
+/// A SQLite group commit's time, in seconds, from `BEGIN IMMEDIATE` (which
+/// may wait for another process's write lock) to the end of `COMMIT`.
+pub const SQLITE_BATCH_COMMIT: &str = "dexa_sqlite_batch_commit_seconds";
+/// Tasks of the store by `state`: `ready` (runnable now or after a
+/// back-off), `waiting` (for a message or timer), `leased` (running).
+/// Read from the store at each scrape.
+pub const QUEUE_TASKS: &str = "dexa_queue_tasks";
+/// Bytes of session events sent to event-stream clients (SSE `data`).
+pub const EVENT_STREAM_BYTES: &str = "dexa_event_stream_bytes_total";
 
 /// Histogram buckets for Step durations (seconds): a Step without a guest
 /// takes about a millisecond; a model call, seconds.
 const STEP_BUCKETS: [f64; 14] = [
     0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0, 120.0,
 ];
+
+/// Histogram buckets for writes per group commit (at most 256 in a batch).
+const BATCH_BUCKETS: [f64; 9] = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0];
 
 /// How often histogram samples are folded into their buckets. Until then
 /// each sample is held in memory, so this must run whether or not anything
@@ -68,6 +85,10 @@ pub fn install_prometheus() -> anyhow::Result<PrometheusHandle> {
     }
     let recorder = PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Suffix("_seconds".to_string()), &STEP_BUCKETS)?
+        .set_buckets_for_metric(
+            Matcher::Full(SQLITE_BATCH_WRITES.to_string()),
+            &BATCH_BUCKETS,
+        )?
         .build_recorder();
     let handle = recorder.handle();
     if metrics::set_global_recorder(recorder).is_err() {

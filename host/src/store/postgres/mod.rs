@@ -25,6 +25,7 @@ mod flows;
 mod history;
 mod listen;
 mod load;
+mod queue;
 mod rpc;
 pub mod schema;
 mod sql;
@@ -49,7 +50,7 @@ use crate::flow::store::{
 };
 use crate::flow::types::{
     ClaimedTask, FlowInfo, Json, MapQuery, NewTask, StateWrite, StepHistoryEntry, StoreMillis,
-    StreamPage, Versioned,
+    StreamPage, TaskCounts, Versioned,
 };
 use sql::{retrying, TxResult};
 
@@ -195,6 +196,13 @@ impl FlowStore for PostgresStore {
     async fn flow(&self, flow_id: &str) -> Result<Option<FlowInfo>, StoreError> {
         on_client!(self, |client, now| flows::flow_info(&client, flow_id)
             .await?)
+    }
+
+    async fn task_counts(&self) -> Result<TaskCounts, StoreError> {
+        on_client!(self, |client, now| {
+            let _ = now;
+            queue::task_counts(&client).await?
+        })
     }
 
     async fn list_flows(

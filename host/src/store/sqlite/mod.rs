@@ -25,6 +25,7 @@ mod connection;
 mod dump;
 mod flows;
 mod history;
+mod queue;
 mod rpc;
 mod schema;
 mod sql;
@@ -56,7 +57,7 @@ use crate::flow::store::{
 };
 use crate::flow::types::{
     ClaimedTask, FlowInfo, Json, MapQuery, NewTask, StateWrite, StepHistoryEntry, StoreMillis,
-    StreamPage, Versioned,
+    StreamPage, TaskCounts, Versioned,
 };
 use crate::store::stream_signals::StreamSignals;
 
@@ -331,6 +332,10 @@ impl FlowStore for SqliteStore {
         let flow_id = flow_id.to_string();
         self.read(move |conn, _| flows::flow_info(conn, &flow_id))
             .await
+    }
+
+    async fn task_counts(&self) -> Result<TaskCounts, StoreError> {
+        self.read(move |conn, _| queue::task_counts(conn)).await
     }
 
     async fn list_flows(

@@ -99,6 +99,8 @@ pub(super) fn spawn_checkpointer(conn: Connection) -> Result<mpsc::Sender<()>, S
 
 /// Runs one batch; true when a committed write may have made work ready.
 fn run_batch(conn: &Connection, batch: Vec<WriteJob>) -> bool {
+    metrics::histogram!(crate::telemetry::SQLITE_BATCH_WRITES).record(batch.len() as f64);
+    let began_at = std::time::Instant::now();
     let began = cached_execute(conn, "BEGIN IMMEDIATE", []);
     // The clock is read once the write lock is held: BEGIN may wait up to
     // the busy timeout for another process, and a time read before it
@@ -145,6 +147,10 @@ fn run_batch(conn: &Connection, batch: Vec<WriteJob>) -> bool {
             let _ = conn.execute_batch("ROLLBACK");
             format!("commit failed: {err}")
         });
+    // From BEGIN (which may wait for another process's write lock) to the
+    // end of COMMIT (the fsync): what each write of the batch waited for.
+    metrics::histogram!(crate::telemetry::SQLITE_BATCH_COMMIT)
+        .record(began_at.elapsed().as_secs_f64());
     let wake = committed.is_ok() && done.iter().any(|d| d.wake);
     for result in done {
         (result.deliver)(committed.clone());
