@@ -13,6 +13,9 @@
 //!   describes;
 //! - [`api`]: the HTTP+SSE API of `dexa serve`;
 //! - [`cli`]: the `dexa` command line.
+//!
+//! Beside them, [`telemetry`] (metric names, the Prometheus recorder, trace
+//! export) depends on none of them, and every layer may use it.
 
 pub mod api;
 pub mod catalog;

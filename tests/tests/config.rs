@@ -187,15 +187,25 @@ async fn dexa_check_finds_what_a_worker_would_refuse_with_file_and_line() {
         );
     }
 
-    // A parse error: the line of the value.
+    // Every config the parser refuses (the config unit tests' cases):
+    // exit 1, at the line of the problem, saying what it is.
     let path = dir.path().join("dexa.toml");
-    std::fs::write(&path, "[worker]\nslots = 0\n").unwrap();
-    let (code, _, stderr) = dexa_check(&path, &[]).await;
-    assert_eq!(code, Some(1));
-    assert!(
-        stderr.contains(&format!("{}:2:", path.display())) && stderr.contains("at least 1"),
-        "{stderr}"
-    );
+    let fixture =
+        std::fs::read_to_string(repo_root().join("tests/fixtures/bad-configs.txt")).unwrap();
+    let mut checked = 0;
+    for case in fixture.split("\n### ").skip(1) {
+        let (header, body) = case.split_once('\n').unwrap();
+        let (line, needle) = header.split_once(' ').unwrap();
+        std::fs::write(&path, format!("{}\n", body.trim_end_matches('\n'))).unwrap();
+        let (code, _, stderr) = dexa_check(&path, &[]).await;
+        assert_eq!(code, Some(1), "{body}\n=> {stderr}");
+        assert!(
+            stderr.contains(&format!("{}:{line}:", path.display())) && stderr.contains(needle),
+            "{body}\n=> no line {line} saying {needle:?} in:\n{stderr}"
+        );
+        checked += 1;
+    }
+    assert_eq!(checked, 37);
 
     // The README's example, with its files at hand, and the example agent.
     let readme = std::fs::read_to_string(repo_root().join("README.md")).unwrap();

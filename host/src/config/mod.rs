@@ -1231,53 +1231,28 @@ limits = { memory = "64MiB", fuel = 1_000, max_concurrent_calls = 2, output = 40
 
     #[test]
     fn bad_configs_name_the_file_the_line_and_the_problem() {
-        let cases: &[(&str, usize, &str)] = &[
-            ("[agents.A]\nrunner = \"nope\"\n", 2, "there is no component \"nope\""),
-            ("store = \"postgres://u:pw@db/x\"\n", 1, "a password does not belong in the store address"),
-            ("store = \"postgres://db/x?sslmode=maybe\"\n", 1, "sslmode must be"),
-            ("store = \"mysql://db\"\n", 1, "unknown scheme"),
-            ("store = \"sqlite:db.sqlite?synchronous=fast\"\n", 1, "synchronous must be normal or full"),
-            ("store = \"sqlite:db.sqlite?sync=full\"\n", 1, "unknown parameter \"sync=full\""),
-            ("store = \"sqlite:db.sqlite?synchronous\"\n", 1, "unknown parameter \"synchronous\""),
-            ("[worker]\nslots = 0\n", 2, "at least 1"),
-            ("[worker]\n\nlease = \"soon\"\n", 3, "not a duration"),
-            ("[worker]\nlease = \"0s\"\n", 2, "longer than 0"),
-            ("colour = \"blue\"\n", 1, "unknown field `colour`"),
-            ("[components.a]\npath = \"a.wasm\"\ndirs = [{ host = \"x\", guest = \"rel\" }]\n", 3, "must be absolute"),
-            ("[components.a]\npath = 3\n", 2, "invalid type"),
-            ("[components.a]\npath = \"a.wasm\"\n[agents.A]\nrunner = \"a\"\ntools = [\"a\"]\n", 5, "both as a runner and as a tool"),
-            ("[components.r]\npath = \"r.wasm\"\n[agents.A]\nrunner = \"r\"\nmodel = \"gpt\"\n", 5, "there is no model \"gpt\""),
-            ("[models.m]\nprovider = \"telepathy\"\n", 2, "unknown variant `telepathy`"),
-            ("[models.m]\nprovider = \"openai\"\nmodel = \"gpt\"\nbase_url = \"ftp://x\"\n", 1, "must start with http"),
-            ("[models.m]\nprovider = \"openai\"\n", 1, "missing field `model`"),
-            ("[components.r]\npath = \"r.wasm\"\n[agents.A]\nrunner = \"r\"\ndefault_effect = \"maybe\"\n", 5, "unknown variant `maybe`"),
-            ("[components.r]\npath = \"r.wasm\"\n[agents.A]\nrunner = \"r\"\nevents_capacity = 0\n", 5, "at least 1 byte"),
-            ("[components.r]\npath = \"r.wasm\"\n[agents.A]\nrunner = \"r\"\nturn_limits = { tool_calls = 0 }\n", 5, "turn_limits.tool_calls must be at least 1"),
-            ("[components.r]\npath = \"r.wasm\"\n[agents.A]\nrunner = \"r\"\nturn_limits = { tool_output = \"lots\" }\n", 5, "turn_limits.tool_output"),
-            ("[components.r]\npath = \"r.wasm\"\n[agents.A]\nrunner = \"r\"\nturn_limits = { calls = 3 }\n", 5, "unknown field `calls`"),
-            ("[agents.A\n", 1, ""),
-            ("[components.a]\npath = \"a.wasm\"\nhttp = [\"example.com\"]\n", 3, "must be host:port"),
-            ("[components.a]\npath = \"a.wasm\"\nhttp = [\"example.com:0\"]\n", 3, "invalid port"),
-            ("[components.a]\npath = \"a.wasm\"\nhttp = [\"*.example.com:443\"]\n", 3, "invalid host"),
-            ("[components.a]\npath = \"a.wasm\"\ntcp_connect = [\"db.local:5432\"]\n", 3, "must be an IP address and port"),
-            ("[components.a]\npath = \"a.wasm\"\nlimits = { memory = \"64XB\" }\n", 3, "unknown unit \"XB\""),
-            ("[components.a]\npath = \"a.wasm\"\nlimits = { memory = \"lots\" }\n", 3, "is not a size"),
-            ("[components.a]\npath = \"a.wasm\"\nlimits = { fuel = 0 }\n", 3, "limits.fuel must be at least 1"),
-            ("[components.a]\npath = \"a.wasm\"\nlimits = { output = 0 }\n", 3, "limits.output must be above 0"),
-            ("[components.a]\npath = \"a.wasm\"\nlimits = { cpu = 5 }\n", 3, "unknown field `cpu`"),
-            ("[components.a]\npath = \"a.wasm\"\nlimits = { memory = -1 }\n", 3, "a whole number of bytes"),
-            ("[components.a]\npath = \"a.wasm\"\nhttp = [\"::1:8080\"]\n", 3, "IPv6 host in brackets"),
-            ("[components.r]\npath = \"r.wasm\"\n[agents.A]\nrunner = \"r\"\nmodel_step_timeout = \"0s\"\n", 5, "model_step_timeout must be longer than 0"),
-            ("[components.r]\npath = \"r.wasm\"\n[components.runner]\npath = \"t.wasm\"\n[agents.A]\nrunner = \"r\"\ntools = [\"runner\"]\n", 7, "may not be named \"runner\""),
-        ];
-        for (text, line, needle) in cases {
+        // Shared with `dexa check`'s test (tests/tests/config.rs).
+        let fixture = include_str!("../../../tests/fixtures/bad-configs.txt");
+        let cases: Vec<(String, usize, String)> = fixture
+            .split("\n### ")
+            .skip(1)
+            .map(|case| {
+                let (header, body) = case.split_once('\n').unwrap_or((case, ""));
+                let (line, needle) = header.split_once(' ').unwrap_or((header, ""));
+                let line = line.parse().unwrap_or_else(|err| panic!("{header}: {err}"));
+                let body = format!("{}\n", body.trim_end_matches('\n'));
+                (body, line, needle.to_string())
+            })
+            .collect();
+        assert_eq!(cases.len(), 37, "the fixture's cases");
+        for (text, line, needle) in &cases {
             let err = match parse(text) {
                 Ok(_) => panic!("accepted:\n{text}"),
                 Err(err) => err,
             };
             assert_eq!(err.file, PathBuf::from("/srv/agents/dexa.toml"), "{text}");
             assert_eq!(err.line, Some(*line), "{text}\n=> {err}");
-            assert!(err.message.contains(needle), "{text}\n=> {err}");
+            assert!(err.message.contains(needle.as_str()), "{text}\n=> {err}");
             let shown = err.to_string();
             assert!(
                 shown.starts_with(&format!("/srv/agents/dexa.toml:{line}:")),
