@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use dexa::plugin::wit::MessageRole as WitRole;
-use dexa::plugin::ScriptedModelProvider;
+use dexa::providers::ScriptedModelProvider;
 use dexa::session::*;
 use dexa_tests::session::{
     all_events, last_text, text_answer, wait_for_agent_snapshot, wait_for_turns, AgentSpec,

@@ -11,9 +11,9 @@ use dexa::plugin::wit::{
 };
 use dexa::plugin::{
     CacheOutcome, CallEnv, CallError, ComponentSettings, DirAccess, EventWriter, Grants,
-    GuestEvent, LoadError, MemoryHistory, ModelProvider, SandboxConfig, SandboxEngine,
-    ScriptedModelProvider, TurnInput,
+    GuestEvent, LoadError, MemoryHistory, ModelProvider, SandboxConfig, SandboxEngine, TurnInput,
 };
+use dexa::providers::ScriptedModelProvider;
 use dexa::session::{ToolPolicies, ToolPolicyOverride};
 use dexa_tests::{guest_bytes, step_tag, test_engine, CollectingEvents, CountingHeartbeats};
 

@@ -7,8 +7,9 @@
 //! against another binary, set `DEXA_BIN`.
 
 use dexa::plugin::wit::{AgentMessage, MessageRole, TurnOutcome};
-use dexa::plugin::{CallEnv, ComponentSettings, ScriptedModelProvider};
+use dexa::plugin::{CallEnv, ComponentSettings};
 use dexa::plugin::{MemoryHistory, TurnInput};
+use dexa::providers::ScriptedModelProvider;
 use dexa_tests::hostile::next_turn;
 use dexa_tests::kit::{wait_for_turns, AgentTestStack};
 use dexa_tests::measure::peak_rss_mib;
@@ -79,10 +80,7 @@ async fn the_scripted_model_holds_a_bounded_summary_however_many_and_large_the_r
     );
     // What it keeps says how large each request was, and how it began.
     let kept = model.requests();
-    assert_eq!(
-        kept.len(),
-        dexa::plugin::factors::scripted_model::KEPT_REQUESTS
-    );
+    assert_eq!(kept.len(), dexa::providers::scripted::KEPT_REQUESTS);
     for summary in &kept {
         assert_eq!(summary.bytes, mib * MIB);
         assert_eq!(summary.message_count, 1);
@@ -90,7 +88,7 @@ async fn the_scripted_model_holds_a_bounded_summary_however_many_and_large_the_r
         let prefix = summary.messages[0].content.as_deref().unwrap_or_default();
         assert_eq!(
             prefix,
-            "m".repeat(dexa::plugin::factors::scripted_model::KEPT_TEXT_BYTES)
+            "m".repeat(dexa::providers::scripted::KEPT_TEXT_BYTES)
         );
     }
 }

@@ -1581,7 +1581,7 @@ async fn the_host_model_answers_run_model_and_its_usage_and_text_reach_the_sessi
     use dexa::plugin::wit::{
         MessageRole as WitRole, ModelMessage, ModelResponse, ModelToolCall, Usage,
     };
-    use dexa::plugin::ScriptedModelProvider;
+    use dexa::providers::ScriptedModelProvider;
     let responses = vec![
         ModelResponse {
             message: ModelMessage {

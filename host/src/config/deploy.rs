@@ -15,9 +15,9 @@ use crate::flow::{FlowClient, FlowStore, Registry, StoreHealth, Worker, WorkerOp
 use crate::plugin::wit::{MessageRole, ModelMessage, ModelResponse, ModelToolCall, Usage};
 use crate::plugin::{
     CacheOutcome, ComponentSettings, Grants, LoadError, ModelProvider, RunnerComponent,
-    ScriptedModelProvider, ToolComponent,
+    ToolComponent,
 };
-use crate::providers::{OpenAiConfig, OpenAiProvider};
+use crate::providers::{OpenAiConfig, OpenAiProvider, ScriptedModelProvider};
 use crate::session::{
     ActivationWatch, AgentComponents, AgentSessionClient, AgentSessionFlow, CatalogVersions,
 };

@@ -33,7 +33,6 @@ pub use factors::events::{EventSink, EventWriter, GuestEvent, TaggedEvent, EVENT
 pub use factors::history::{HistorySource, MemoryHistory, TurnInput};
 pub use factors::model::ModelProvider;
 pub use factors::policy::{NoPolicies, ToolPolicyResolver};
-pub use factors::scripted_model::{MessageSummary, RequestSummary, ScriptedModelProvider};
 pub use factors::step::{HeartbeatSink, StepTag};
 pub use grants::{DirAccess, DirGrant, Grants, HttpAuthority};
 pub use limits::ComponentLimits;

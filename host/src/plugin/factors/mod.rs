@@ -8,5 +8,4 @@ pub mod history;
 pub mod http;
 pub mod model;
 pub mod policy;
-pub mod scripted_model;
 pub mod step;

@@ -1,7 +1,7 @@
 //! `dex:agents/model`: the model behind the host. The runner never sees the
 //! provider's credentials, may call it once per `run-model-step`, and the
 //! provider streams text deltas into the call's events. The scripted provider
-//! for tests is in [`super::scripted_model`].
+//! for tests is in [`crate::providers::scripted`].
 
 use std::future::Future;
 use std::pin::Pin;

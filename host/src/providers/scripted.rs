@@ -9,11 +9,9 @@
 use std::collections::VecDeque;
 use std::sync::Mutex;
 
-use super::events::{EventWriter, GuestEvent};
-use super::model::{ModelFuture, ModelProvider};
-use crate::plugin::bindings::wit::{
-    MessageRole, ModelError, ModelMessage, ModelRequest, ModelResponse,
-};
+use crate::plugin::factors::model::ModelFuture;
+use crate::plugin::wit::{MessageRole, ModelError, ModelMessage, ModelRequest, ModelResponse};
+use crate::plugin::{EventWriter, GuestEvent, ModelProvider};
 
 /// How many request summaries the provider keeps (the most recent).
 pub const KEPT_REQUESTS: usize = 8;
@@ -236,7 +234,7 @@ impl ModelProvider for ScriptedModelProvider {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plugin::bindings::wit::{ModelToolCall, ToolSpec};
+    use crate::plugin::wit::{ModelToolCall, ToolSpec};
 
     #[test]
     fn the_provider_holds_at_most_its_bound_whatever_the_requests() {
