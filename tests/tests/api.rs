@@ -810,4 +810,36 @@ async fn every_answer_carries_a_request_id_and_a_callers_id_is_kept() {
         .await
         .unwrap();
     assert_eq!(id(&response).as_deref(), Some("caller-7"));
+    // An id that is long, or not a plain token, or given twice, is
+    // replaced (it would be logged with every line of the request).
+    for bad in ["x".repeat(129), "a b".to_string(), "<script>".to_string()] {
+        let response = http
+            .get(format!("{}/healthz", server.base))
+            .header("x-request-id", bad.as_str())
+            .send()
+            .await
+            .unwrap();
+        let given = id(&response).unwrap();
+        assert_ne!(given, bad);
+        assert_eq!(given.len(), 36, "a new UUID: {given}");
+    }
+    let response = http
+        .get(format!("{}/healthz", server.base))
+        .header("x-request-id", "one")
+        .header("x-request-id", "two")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(id(&response).map(|i| i.len()), Some(36));
+    let response = http
+        .get(format!("{}/healthz", server.base))
+        .header("x-request-id", "x".repeat(128))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        id(&response),
+        Some("x".repeat(128)),
+        "128 characters are kept"
+    );
 }

@@ -376,9 +376,13 @@ async fn a_turn_is_one_trace_under_the_senders_traceparent_with_one_span_per_ste
         )
         .await;
     turn_span(&traced.received, recorded).await;
+    // Neither in its trace nor as traces of their own.
     let leaked: Vec<Span> = spans(&traced.received)
         .into_iter()
-        .filter(|s| s.trace_id == unsampled)
+        .filter(|s| {
+            s.trace_id == unsampled
+                || s.attributes.get("dexa.turn").map(String::as_str) == Some("turn-3")
+        })
         .collect();
     assert!(
         leaked.is_empty(),
@@ -419,5 +423,26 @@ async fn dexa_serve_logs_each_request_with_its_id_status_and_path_and_never_the_
     assert!(
         !printed.contains("limit=1"),
         "the query was logged:\n{printed}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_refuses_an_otlp_protocol_it_does_not_speak_at_start() {
+    let stack = AgentTestStack::new(vec![KitAgent::scripted("Traced", json!({"turns": []}))]);
+    let output = tokio::process::Command::new(dexa_tests::kit::dexa_binary())
+        .args(["worker", "--config"])
+        .arg(&stack.config_path)
+        .env("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
+        .env("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+        .env_remove("OTEL_SDK_DISABLED")
+        .output()
+        .await
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("OTEL_EXPORTER_OTLP_PROTOCOL=\"grpc\"")
+            && stderr.contains("http/json only"),
+        "{stderr}"
     );
 }

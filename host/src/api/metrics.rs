@@ -7,7 +7,7 @@ use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::error::ApiError;
 use super::ApiState;
@@ -20,10 +20,23 @@ pub const PROMETHEUS_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
 /// it shows the last ones.
 const QUEUE_READ_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// How long a count of the queue stands for later scrapes.
+const QUEUE_COUNT_FOR: Duration = Duration::from_secs(5);
+
+/// When the queue was last counted: scrapes (the worker's need no token)
+/// share one count at a time, and one every [`QUEUE_COUNT_FOR`].
+static LAST_COUNT: tokio::sync::Mutex<Option<Instant>> = tokio::sync::Mutex::const_new(None);
+
 /// Sets the queue-depth gauges from the store (see
-/// [`crate::telemetry::QUEUE_TASKS`]); on a store error or timeout they keep
-/// their last values and the error is logged.
+/// [`crate::telemetry::QUEUE_TASKS`]), at most once every
+/// [`QUEUE_COUNT_FOR`] however many scrape; on a store error or timeout
+/// they keep their last values and the error is logged.
 pub async fn record_queue_depth(store: &dyn FlowStore) {
+    let mut last = LAST_COUNT.lock().await;
+    if last.is_some_and(|at| at.elapsed() < QUEUE_COUNT_FOR) {
+        return;
+    }
+    *last = Some(Instant::now());
     match tokio::time::timeout(QUEUE_READ_TIMEOUT, store.task_counts()).await {
         Ok(Ok(counts)) => {
             for (state, count) in [

@@ -42,7 +42,7 @@ pub(super) fn report(
             then();
         }
     }
-    if !traces::enabled() {
+    if !traces::enabled() || trace.unsampled {
         return;
     }
     let (label, error) = match outcome {

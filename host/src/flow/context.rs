@@ -22,6 +22,8 @@ pub(crate) struct AttemptTrace {
     pub(crate) parent: Option<SpanParent>,
     /// Attributes beyond the engine's own (the handler's: a turn, say).
     pub(crate) attributes: Vec<opentelemetry::KeyValue>,
+    /// The flow's own trace said not to record: no span is reported.
+    pub(crate) unsampled: bool,
     pub(crate) on_commit: Vec<OnCommit>,
 }
 
@@ -107,6 +109,14 @@ impl StepContext {
         if let Ok(mut trace) = self.trace.lock() {
             trace.parent = Some(parent);
             trace.attributes = attributes;
+        }
+    }
+
+    /// Reports no span for this attempt: it belongs to a trace its sender
+    /// asked not to record.
+    pub fn trace_unsampled(&self) {
+        if let Ok(mut trace) = self.trace.lock() {
+            trace.unsampled = true;
         }
     }
 

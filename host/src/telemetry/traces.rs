@@ -129,7 +129,10 @@ impl TurnTrace {
             name: Cow::Borrowed("turn"),
             parent,
             own_ids: Some(own),
-            start: UNIX_EPOCH + Duration::from_millis(self.started_at_ms),
+            // A corrupt stored time must not panic: it starts at the end.
+            start: UNIX_EPOCH
+                .checked_add(Duration::from_millis(self.started_at_ms))
+                .unwrap_or_else(SystemTime::now),
             end: SystemTime::now(),
             attributes: vec![
                 KeyValue::new("dexa.session", session.to_string()),
@@ -226,16 +229,37 @@ impl Drop for TracesGuard {
     }
 }
 
+/// The protocol dexa exports with, as `OTEL_EXPORTER_OTLP_PROTOCOL` names it.
+const PROTOCOL: &str = "http/json";
+
 /// Installs an OTLP/HTTP (JSON) span exporter when one of
-/// [`ENDPOINT_VARIABLES`] is set; the SDK's other `OTEL_*` variables
-/// (headers, timeout, the batch's delay and size, `OTEL_SERVICE_NAME`)
-/// apply. None when no endpoint is set.
+/// [`ENDPOINT_VARIABLES`] is set and `OTEL_SDK_DISABLED` is not `true`; the
+/// SDK's other `OTEL_*` variables (headers, timeout, the batch's delay and
+/// size, `OTEL_SERVICE_NAME`) apply. None when no endpoint is set. A
+/// protocol other than `http/json` is refused, rather than ignored.
 pub fn install_from_env() -> anyhow::Result<Option<TracesGuard>> {
-    let configured = ENDPOINT_VARIABLES
-        .iter()
-        .any(|name| std::env::var(name).is_ok_and(|value| !value.trim().is_empty()));
-    if !configured {
+    let set = |name: &str| {
+        std::env::var(name)
+            .ok()
+            .map(|value| value.trim().to_string())
+            .filter(|value| !value.is_empty())
+    };
+    let configured = ENDPOINT_VARIABLES.iter().any(|name| set(name).is_some());
+    let disabled = set("OTEL_SDK_DISABLED").is_some_and(|v| v.eq_ignore_ascii_case("true"));
+    if !configured || disabled {
         return Ok(None);
+    }
+    for name in [
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+        "OTEL_EXPORTER_OTLP_PROTOCOL",
+    ] {
+        if let Some(protocol) = set(name) {
+            anyhow::ensure!(
+                protocol == PROTOCOL,
+                "{name}={protocol:?}: dexa exports traces over OTLP {PROTOCOL} only (unset it, \
+                 or set {PROTOCOL})"
+            );
+        }
     }
     use opentelemetry_otlp::{Protocol, WithExportConfig};
     let exporter = opentelemetry_otlp::SpanExporter::builder()

@@ -76,11 +76,17 @@ fn round_up_to_second(at: StoreMillis) -> StoreMillis {
 
 /// Reports this attempt's span into `trace`, the trace of `turn`.
 fn join_turn_trace(ctx: &StepContext, trace: Option<&TurnTrace>, turn: &str) {
-    if let Some(parent) = trace.and_then(TurnTrace::as_parent) {
-        ctx.trace_under(
+    let Some(trace) = trace else {
+        return;
+    };
+    match trace.as_parent() {
+        Some(parent) => ctx.trace_under(
             parent,
             vec![opentelemetry::KeyValue::new("dexa.turn", turn.to_string())],
-        );
+        ),
+        // Its sender said not to record it (or its stored ids are
+        // unreadable): none of its attempts is reported either.
+        None => ctx.trace_unsampled(),
     }
 }
 

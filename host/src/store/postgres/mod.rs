@@ -199,9 +199,9 @@ impl FlowStore for PostgresStore {
     }
 
     async fn task_counts(&self) -> Result<TaskCounts, StoreError> {
-        on_client!(self, |client, now| {
+        in_tx!(self, false, |tx, now| {
             let _ = now;
-            queue::task_counts(&client).await?
+            queue::task_counts(&tx).await?
         })
     }
 

@@ -335,7 +335,9 @@ impl FlowStore for SqliteStore {
     }
 
     async fn task_counts(&self) -> Result<TaskCounts, StoreError> {
-        self.read(move |conn, _| queue::task_counts(conn)).await
+        // A scan of every task: off the runtime's threads.
+        self.read_blocking(move |conn, _| queue::task_counts(conn))
+            .await
     }
 
     async fn list_flows(
