@@ -132,6 +132,12 @@ fn assert_counts_match(samples: &[Sample], flow_type: &str, history: &[StepHisto
             &[("step", step.as_str())],
         );
         assert_eq!(timed, Some(*count), "{step}'s claim-to-commit samples");
+        let attempts = value(
+            samples,
+            &format!("{}_count", telemetry::STEP_ATTEMPT),
+            &[("step", step.as_str()), ("outcome", "committed")],
+        );
+        assert_eq!(attempts, Some(*count), "{step}'s committed attempts");
     }
     assert_eq!(value(samples, telemetry::STORE_AVAILABLE, &[]), Some(1.0));
 }

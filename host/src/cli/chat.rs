@@ -13,7 +13,7 @@ use anyhow::Context;
 use clap::Args;
 use tokio::io::{AsyncBufReadExt, BufReader, Lines, Stdin};
 
-use super::worker::print_progress;
+use super::worker::log_progress;
 use crate::config::{Deployment, DexaConfig};
 use crate::flow::FlowStatus;
 use crate::session::{
@@ -79,8 +79,8 @@ pub async fn run(args: ChatArgs) -> anyhow::Result<()> {
     let deployment = if args.no_worker {
         Deployment::for_clients(config).await?
     } else {
-        eprintln!("loading the agent's components (the first run compiles them)...");
-        Deployment::for_workers(config, &print_progress).await?
+        tracing::info!("loading the agent's components (the first run compiles them)...");
+        Deployment::for_workers(config, &log_progress).await?
     };
     let worker =
         (!args.no_worker).then(|| tokio::spawn(deployment.worker().run(std::future::pending())));

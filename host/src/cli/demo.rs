@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 
-use super::worker::print_progress;
+use super::worker::log_progress;
 use crate::config::{Deployment, DexaConfig};
 use crate::flow::history;
 use crate::session::{event_type, new_session_id};
@@ -48,7 +48,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     println!("store: {}", config.store.describe());
     println!("loading components (the first run compiles each, a few seconds each)...");
     let started = Instant::now();
-    let deployment = Deployment::for_workers(config, &print_progress).await?;
+    let deployment = Deployment::for_workers(config, &log_progress).await?;
     println!(
         "components ready in {:.1} s",
         started.elapsed().as_secs_f64()

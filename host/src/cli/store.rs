@@ -65,12 +65,12 @@ async fn copy(args: CopyArgs) -> anyhow::Result<()> {
         anyhow::bail!("{}: the target must be a postgres:// store", args.to);
     }
     let target = PostgresUrl::parse(&args.to).map_err(anyhow::Error::msg)?;
-    eprintln!("copying {source} into {}", args.to);
+    tracing::info!("copying {source} into {}", args.to);
     let report = crate::store::copy::sqlite_to_postgres(
         std::path::Path::new(source),
         target,
         args.replace,
-        &|table, rows| eprintln!("  {table}: {rows} rows"),
+        &|table, rows| tracing::info!(table, rows, "  {table}: {rows} rows"),
     )
     .await?;
     let total: u64 = report.tables.iter().map(|(_, rows)| rows).sum();

@@ -36,39 +36,32 @@ pub struct WorkerArgs {
     pub metrics_listen: Option<std::net::SocketAddr>,
 }
 
-/// Prints load progress on stderr: the first start compiles each component.
-pub fn print_progress(progress: LoadProgress) {
-    match progress {
-        LoadProgress::Loading {
-            component,
-            index,
-            total,
-        } => eprintln!("[{index}/{total}] loading {component}..."),
-        LoadProgress::Loaded {
-            component,
-            compiled,
-            millis,
-        } => eprintln!(
-            "      {component}: {} in {millis} ms",
-            if compiled { "compiled" } else { "from cache" }
-        ),
-    }
-}
-
-/// Load progress as log lines, for a daemon whose stderr goes to a log
-/// pipeline (`--log-format json`).
+/// Load progress, as log lines (on stderr, for people in the text format,
+/// with the component, index and timing as fields in the JSON one): the
+/// first start compiles each component.
 pub(super) fn log_progress(progress: LoadProgress) {
     match progress {
         LoadProgress::Loading {
             component,
             index,
             total,
-        } => tracing::info!(component, index, total, "loading a component"),
+        } => tracing::info!(
+            component,
+            index,
+            total,
+            "[{index}/{total}] loading {component}..."
+        ),
         LoadProgress::Loaded {
             component,
             compiled,
             millis,
-        } => tracing::info!(component, compiled, millis, "loaded a component"),
+        } => tracing::info!(
+            component,
+            compiled,
+            millis,
+            "      {component}: {} in {millis} ms",
+            if compiled { "compiled" } else { "from cache" }
+        ),
     }
 }
 

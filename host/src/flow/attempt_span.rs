@@ -1,5 +1,5 @@
 //! The span of one Step attempt, reported when the attempt is over (see
-//! [`crate::telemetry::traces`]).
+//! [`crate::telemetry::traces`]), and its duration metric.
 
 use std::time::SystemTime;
 
@@ -7,7 +7,10 @@ use opentelemetry::KeyValue;
 
 use super::context::StepContext;
 use super::types::ClaimedTask;
-use crate::telemetry::traces::{self, FinishedSpan};
+use crate::telemetry::{
+    self,
+    traces::{self, FinishedSpan},
+};
 
 /// The longest error text a span carries: the history keeps the whole.
 const ERROR_BYTES: usize = 1024;
@@ -27,6 +30,19 @@ pub(super) enum SpanOutcome<'a> {
     Stopped,
 }
 
+impl SpanOutcome<'_> {
+    /// The outcome's name, in spans and metrics.
+    fn label(&self) -> &'static str {
+        match self {
+            SpanOutcome::Committed => "committed",
+            SpanOutcome::Failed(_) => "failed",
+            SpanOutcome::NotCommitted => "not_committed",
+            SpanOutcome::Taken => "taken",
+            SpanOutcome::Stopped => "stopped",
+        }
+    }
+}
+
 /// Reports the attempt of `task` that began at `started`, and, when it
 /// committed, runs what its handler left for after the commit (a turn's
 /// own span). `ctx` is None when no handler ran.
@@ -42,15 +58,25 @@ pub(super) fn report(
             then();
         }
     }
+    let end = SystemTime::now();
+    metrics::histogram!(
+        telemetry::STEP_ATTEMPT,
+        "step" => task.step_type.clone(),
+        "outcome" => outcome.label()
+    )
+    .record(
+        end.duration_since(started)
+            .unwrap_or_default()
+            .as_secs_f64(),
+    );
     if !traces::enabled() || trace.unsampled {
         return;
     }
-    let (label, error) = match outcome {
-        SpanOutcome::Committed => ("committed", None),
-        SpanOutcome::Failed(error) => ("failed", Some(cut(error))),
-        SpanOutcome::NotCommitted => ("not_committed", Some("the result did not commit".into())),
-        SpanOutcome::Taken => ("taken", None),
-        SpanOutcome::Stopped => ("stopped", None),
+    let label = outcome.label();
+    let error = match outcome {
+        SpanOutcome::Failed(error) => Some(cut(error)),
+        SpanOutcome::NotCommitted => Some("the result did not commit".into()),
+        SpanOutcome::Committed | SpanOutcome::Taken | SpanOutcome::Stopped => None,
     };
     let mut attributes = vec![
         KeyValue::new("dexa.session", task.flow_id.clone()),
@@ -69,7 +95,7 @@ pub(super) fn report(
         parent: trace.parent,
         own_ids: None,
         start: started,
-        end: SystemTime::now(),
+        end,
         attributes,
         error,
     });

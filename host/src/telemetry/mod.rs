@@ -23,6 +23,10 @@ pub const STEPS_COMPLETED: &str = "dexa_steps_completed_total";
 pub const STEPS_FAILED: &str = "dexa_steps_failed_total";
 /// From a Step's claim to its commit, in seconds, by `step`.
 pub const STEP_CLAIM_TO_COMMIT: &str = "dexa_step_claim_to_commit_seconds";
+/// A Step attempt's duration in seconds, from its claim to its end, by
+/// `step` and `outcome` (`committed`, `failed`, `not_committed`, `taken`,
+/// `stopped`).
+pub const STEP_ATTEMPT: &str = "dexa_step_attempt_seconds";
 /// Leases renewed by a worker.
 pub const LEASE_RENEWALS: &str = "dexa_lease_renewals_total";
 /// Leases a worker found taken when it renewed them (its Step is stopped).
