@@ -164,8 +164,36 @@ async fn a_runner_activated_mid_conversation_fails_no_turn_and_each_turn_keeps_i
     let log = stack.invocations();
     // Bounded like the turns: this file's other tests (one of them running
     // 2,000 turns) share the two cores with these twenty sessions.
-    log.wait_for_count_within("model-hold", 7, TURN_WAIT).await;
-    log.wait_for_count_within("tool-hold", 7, TURN_WAIT).await;
+    for (gate, agent) in [("model-hold", "Models"), ("tool-hold", "Tools")] {
+        let reached =
+            tokio::time::timeout(TURN_WAIT, log.wait_for_count_within(gate, 7, TURN_WAIT * 2));
+        if reached.await.is_err() {
+            // Where each of the agent's sessions stands, for the report.
+            let mut report = String::new();
+            for (_, session) in plan.iter().filter(|(a, _)| *a == agent) {
+                let snapshot = stack.sessions(agent).get_agent_snapshot(session).await;
+                let history = stack.read_step_history(session).await;
+                report.push_str(&format!(
+                    "\n{session}: {snapshot:?}\n  history: {:?}",
+                    history
+                        .iter()
+                        .map(|e| format!(
+                            "{} {} #{} {:?}",
+                            e.event_type, e.step_type, e.final_attempt, e.detail
+                        ))
+                        .collect::<Vec<_>>()
+                ));
+            }
+            let entries = log.entries();
+            panic!(
+                "only {} of 7 calls of {gate} within {TURN_WAIT:?}; invocations: {entries:?}{report}\n\
+                 worker 1:\n{}\nworker 2:\n{}",
+                log.count(gate),
+                stack.worker_log(0),
+                stack.worker_log(1),
+            );
+        }
+    }
     let mut interrupts = Vec::new();
     for (agent, session) in plan.iter().filter(|(a, _)| *a == "Approvals") {
         let interrupt = wait_for_agent_snapshot_within(
@@ -903,4 +931,75 @@ async fn the_config_file_is_activated_when_it_changes_and_an_explicit_activation
     assert_eq!(log_len(&stack, "Boot").await, 3);
     let versions = runner_versions(&stack, "Boot", "s1").await;
     assert_eq!(versions.get("turn-4"), Some(&BTreeSet::from([newest])));
+}
+
+/// At a first start, a worker may claim Steps while another worker is
+/// still activating `dexa.toml`'s files; its view of the activation log is
+/// up to `ActivationWatch::REFRESH` old. A Step that needs a role its view
+/// lacks reads the log anew instead of failing its turn (before, a turn
+/// taken then failed with "no active version of its gate-tool").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_role_activated_a_moment_ago_is_found_not_missing() {
+    use dexa::catalog::{
+        ActivateIf, ActivationMode, CatalogStore, ComponentRecord, NewActivation, RUNNER_ROLE,
+    };
+    use dexa::session::ActivationWatch;
+    use dexa::store::sqlite::{SqliteOptions, SqliteStore};
+    let dir = tempfile::tempdir().unwrap();
+    let catalog: std::sync::Arc<dyn CatalogStore> = std::sync::Arc::new(
+        SqliteStore::open(dir.path().join("catalog.sqlite"), SqliteOptions::default()).unwrap(),
+    );
+    let watch = ActivationWatch::new(catalog.clone());
+    let started = Instant::now();
+    assert!(watch
+        .current()
+        .await
+        .unwrap()
+        .role("A", RUNNER_ROLE)
+        .is_none());
+    catalog
+        .add_component(
+            ComponentRecord {
+                digest: "d1".into(),
+                world: "runner".into(),
+                wit_package: "dex:agents@0.2.0".into(),
+                tools: Vec::new(),
+                size: 3,
+                added_at: 0,
+                added_by: "test".into(),
+            },
+            b"abc".to_vec(),
+        )
+        .await
+        .unwrap();
+    catalog
+        .activate(
+            NewActivation {
+                agent: "A".into(),
+                role: RUNNER_ROLE.into(),
+                digest: "d1".into(),
+                mode: ActivationMode::Current,
+                upgrade_in_flight: false,
+                actor: "other-worker".into(),
+                reason: String::new(),
+                after_seq: None,
+            },
+            ActivateIf::Always,
+        )
+        .await
+        .unwrap();
+    let cached = watch.current().await.unwrap();
+    if started.elapsed() < ActivationWatch::REFRESH {
+        assert!(
+            cached.role("A", RUNNER_ROLE).is_none(),
+            "the view is cached"
+        );
+    }
+    let states = watch.current_with("A", &[RUNNER_ROLE]).await.unwrap();
+    assert_eq!(
+        states
+            .role("A", RUNNER_ROLE)
+            .and_then(|role| role.current.as_deref()),
+        Some("d1")
+    );
 }

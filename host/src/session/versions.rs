@@ -67,8 +67,34 @@ impl ActivationWatch {
 
     /// The log as of at most [`Self::REFRESH`] ago.
     pub async fn current(&self) -> Result<Arc<RoleStates>, VersionError> {
+        self.read(false).await
+    }
+
+    /// The log as it is now.
+    pub async fn fresh(&self) -> Result<Arc<RoleStates>, VersionError> {
+        self.read(true).await
+    }
+
+    /// [`Self::current`], read anew when that view has no active version of
+    /// one of `roles` of `agent`: a Step must not fail for an activation a
+    /// moment old (another worker's first start activating the config's
+    /// files, say) while the view is [`Self::REFRESH`] old. Only a role the
+    /// log itself lacks is missing.
+    pub async fn current_with(
+        &self,
+        agent: &str,
+        roles: &[&str],
+    ) -> Result<Arc<RoleStates>, VersionError> {
+        let states = self.current().await?;
+        if roles.iter().all(|role| has_active(&states, agent, role)) {
+            return Ok(states);
+        }
+        self.fresh().await
+    }
+
+    async fn read(&self, fresh: bool) -> Result<Arc<RoleStates>, VersionError> {
         let mut seen = self.seen.lock().await;
-        if seen.1.is_some_and(|at| at.elapsed() < Self::REFRESH) {
+        if !fresh && seen.1.is_some_and(|at| at.elapsed() < Self::REFRESH) {
             return Ok(seen.0.clone());
         }
         let newer = self
@@ -88,6 +114,13 @@ impl ActivationWatch {
         seen.1 = Some(Instant::now());
         Ok(seen.0.clone())
     }
+}
+
+/// Whether `role` of `agent` has a version to serve (current or ramping).
+fn has_active(states: &RoleStates, agent: &str, role: &str) -> bool {
+    states
+        .role(agent, role)
+        .is_some_and(|state| state.current.is_some() || state.ramp.is_some())
 }
 
 type Cell<T> = Arc<OnceCell<Arc<T>>>;
@@ -201,7 +234,8 @@ impl CatalogVersions {
     /// and returned, and the turns that take it fail with the same error.
     pub async fn preload(&self) -> Vec<VersionError> {
         let mut failed = Vec::new();
-        let states = match self.watch.current().await {
+        // Fresh: the config's files were activated a moment ago.
+        let states = match self.watch.fresh().await {
             Ok(states) => states,
             Err(err) => {
                 tracing::warn!(agent = %self.agent, "no version preloaded: {err}");
@@ -278,7 +312,7 @@ impl CatalogVersions {
         &self,
         session_id: &str,
     ) -> Result<PinnedRunner, VersionError> {
-        let states = self.watch.current().await?;
+        let states = self.watch.current_with(&self.agent, &[RUNNER_ROLE]).await?;
         let role = self.role(&states, RUNNER_ROLE)?;
         let digest = role
             .choose(session_id)
@@ -332,7 +366,7 @@ impl CatalogVersions {
         session_id: &str,
         pinned: &str,
     ) -> Result<Option<Hop>, VersionError> {
-        let states = self.watch.current().await?;
+        let states = self.watch.current_with(&self.agent, &[RUNNER_ROLE]).await?;
         let role = self.role(&states, RUNNER_ROLE)?;
         let Some((by, target)) = role.moves_turns_off(session_id, pinned) else {
             return Ok(None);
@@ -354,7 +388,8 @@ impl CatalogVersions {
     }
 
     pub(crate) async fn tool_set(&self, session_id: &str) -> Result<Arc<ToolSet>, VersionError> {
-        let states = self.watch.current().await?;
+        let roles: Vec<&str> = self.tool_roles.iter().map(String::as_str).collect();
+        let states = self.watch.current_with(&self.agent, &roles).await?;
         let mut digests = Vec::with_capacity(self.tool_roles.len());
         for role_name in &self.tool_roles {
             let role = self.role(&states, role_name)?;
