@@ -8,6 +8,8 @@
 //!                                         # ?synchronous=full to fsync
 //!                                         # every commit (power loss)
 //! cache_dir = ".dexa/cache/components"    # the default
+//! cache_max = "1GiB"                      # the default; least recently
+//!                                         # used entries go first
 //!
 //! [worker]
 //! slots = 32
@@ -83,6 +85,8 @@ pub struct DexaConfig {
     pub file: PathBuf,
     pub store: StoreUrl,
     pub cache_dir: PathBuf,
+    /// The most bytes of compiled components the cache keeps (`cache_max`).
+    pub cache_max_bytes: u64,
     pub worker: WorkerConfig,
     pub components: BTreeMap<String, ComponentConfig>,
     pub models: BTreeMap<String, ModelConfig>,
@@ -372,6 +376,9 @@ limits = { memory = "64MiB", fuel = 1_000, max_concurrent_calls = 2, output = 40
             config.worker.slots,
             WorkerOptions::default().max_concurrent_tasks
         );
+        assert_eq!(config.cache_max_bytes, 1 << 30);
+        let bounded = parse("cache_max = \"64MiB\"\n").unwrap_or_else(|err| panic!("{err}"));
+        assert_eq!(bounded.cache_max_bytes, 64 << 20);
     }
 
     /// Each bad config names the file, the line and the problem.
@@ -426,7 +433,7 @@ limits = { memory = "64MiB", fuel = 1_000, max_concurrent_calls = 2, output = 40
                 (body, line, needle.to_string())
             })
             .collect();
-        assert_eq!(cases.len(), 37, "the fixture's cases");
+        assert_eq!(cases.len(), 38, "the fixture's cases");
         for (text, line, needle) in &cases {
             let err = match parse(text) {
                 Ok(_) => panic!("accepted:\n{text}"),

@@ -47,6 +47,13 @@ impl DexaConfig {
             .map_err(|err| loc.at(err.span().unwrap_or(0..0), err.message().trim().to_string()))?;
         let store = store(&raw.store, &paths, &loc)?;
         let cache_dir = paths.resolve(raw.cache_dir.as_deref().unwrap_or(".dexa/cache/components"));
+        let cache_max_bytes = match &raw.cache_max {
+            None => crate::plugin::DEFAULT_CACHE_MAX_BYTES,
+            Some(max) => max
+                .get_ref()
+                .bytes()
+                .map_err(|m| loc.at(max.span(), format!("cache_max: {m}")))?,
+        };
         let worker = worker(&raw.worker, &loc)?;
         let roles = roles(&raw, &loc)?;
         let components = super::components::components(&raw, &roles, &paths, &loc)?;
@@ -56,6 +63,7 @@ impl DexaConfig {
             file: file.to_path_buf(),
             store,
             cache_dir,
+            cache_max_bytes,
             worker,
             components,
             models,

@@ -15,6 +15,7 @@ use crate::session::{ToolEffect, ToolPolicy};
 pub(super) struct RawConfig {
     pub(super) store: Option<Spanned<String>>,
     pub(super) cache_dir: Option<String>,
+    pub(super) cache_max: Option<Spanned<ByteSize>>,
     #[serde(default)]
     pub(super) worker: RawWorker,
     #[serde(default)]

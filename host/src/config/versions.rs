@@ -163,6 +163,7 @@ pub fn tool_record(tool: &ToolComponent, size: usize, actor: &str) -> ComponentR
 pub fn config_engine(config: &DexaConfig) -> anyhow::Result<SandboxEngine> {
     SandboxEngine::new(SandboxConfig {
         cache_dir: Some(config.cache_dir.clone()),
+        cache_max_bytes: config.cache_max_bytes,
         // Metering slows every guest, so it is on only when asked for.
         consume_fuel: config.components.values().any(|c| c.limits.fuel.is_some()),
         ..SandboxConfig::default()

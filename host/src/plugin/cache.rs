@@ -24,6 +24,15 @@
 //! is refused with a warning, removed, and the component compiled anew from
 //! its wasm ([`CacheOutcome::Recompiled`]): it never runs.
 //!
+//! # A bounded cache
+//! Every rebuild of a component is a new entry, and an engine upgrade makes
+//! every entry stale, so the entries are bounded in bytes
+//! ([`DEFAULT_MAX_BYTES`], `cache_max` in `dexa.toml`): after writing an
+//! entry, the least recently used others are removed until the rest fit.
+//! A load that hits an entry marks it used (its modification time). Another
+//! process that wanted a removed entry compiles it again; one reading it
+//! keeps its open file.
+//!
 //! What this protects against: corruption on disk, and anyone who can write
 //! to the cache directory but cannot read the key (another user, if the
 //! directory's permissions let them; a backup restored from elsewhere).
@@ -74,6 +83,13 @@ const TAG_BYTES: usize = 32;
 const DOMAIN: &[u8] = b"dexa component cache entry v1\0";
 /// The largest entry the cache reads; a bigger file is refused unread.
 const MAX_ENTRY_BYTES: u64 = 1 << 30;
+/// The bytes of entries a cache keeps unless configured otherwise: a few
+/// versions of a dozen components (a Python component's entry is ~35 MB).
+pub const DEFAULT_MAX_BYTES: u64 = 1 << 30;
+/// What entry files are named with.
+const ENTRY_SUFFIX: &str = ".cwasm";
+/// A temporary file a crashed write left behind is removed after this long.
+const STALE_TEMPORARY: std::time::Duration = std::time::Duration::from_secs(3600);
 
 /// Feeds a `Hash` impl into SHA-256, giving a digest that is stable across
 /// processes (unlike `DefaultHasher`).
@@ -101,6 +117,7 @@ pub(crate) struct ArtifactCache {
     dir: PathBuf,
     engine_key: String,
     key: CacheKey,
+    max_bytes: u64,
 }
 
 impl ArtifactCache {
@@ -124,11 +141,72 @@ impl ArtifactCache {
             dir,
             engine_key,
             key,
+            max_bytes: DEFAULT_MAX_BYTES,
         })
     }
 
+    /// Keeps at most `max_bytes` of entries (see the module docs).
+    pub(crate) fn with_max_bytes(mut self, max_bytes: u64) -> Self {
+        self.max_bytes = max_bytes;
+        self
+    }
+
+    /// Removes the least recently used entries (and temporary files a
+    /// crashed write left) until the entries fit in the bound; `keep`, the
+    /// entry just written, stays even if it alone is over.
+    fn evict(&self, keep: &Path) {
+        let Ok(listing) = std::fs::read_dir(&self.dir) else {
+            return;
+        };
+        let now = std::time::SystemTime::now();
+        let mut entries = Vec::new();
+        let mut total: u64 = 0;
+        for item in listing.flatten() {
+            let path = item.path();
+            let name = item.file_name();
+            let name = name.to_string_lossy();
+            // Not followed: a symlink here is no entry of ours.
+            let Ok(meta) = std::fs::symlink_metadata(&path) else {
+                continue;
+            };
+            let used = meta.modified().unwrap_or(now);
+            if name.starts_with(".tmp") {
+                if meta.is_file() && now.duration_since(used).unwrap_or_default() > STALE_TEMPORARY
+                {
+                    let _ = std::fs::remove_file(&path);
+                }
+                continue;
+            }
+            if !meta.is_file() || !name.ends_with(ENTRY_SUFFIX) {
+                continue;
+            }
+            total = total.saturating_add(meta.len());
+            entries.push((used, meta.len(), path));
+        }
+        if total <= self.max_bytes {
+            return;
+        }
+        entries.sort_by_key(|(used, _, _)| *used);
+        for (_, bytes, path) in entries {
+            if total <= self.max_bytes {
+                break;
+            }
+            if path == keep {
+                continue;
+            }
+            if std::fs::remove_file(&path).is_ok() {
+                total = total.saturating_sub(bytes);
+                tracing::info!(
+                    path = %path.display(),
+                    bytes,
+                    "removed the least recently used compiled component: the cache is over its bound"
+                );
+            }
+        }
+    }
+
     fn entry_name(&self, component_sha256: &str) -> String {
-        format!("{component_sha256}-{}.cwasm", self.engine_key)
+        format!("{component_sha256}-{}{ENTRY_SUFFIX}", self.engine_key)
     }
 
     /// The tag of `artifact` stored under `entry_name`.
@@ -211,7 +289,11 @@ impl ArtifactCache {
             }
         }
         let component = compile(engine, name, wasm)?;
-        match self.store(&path, &entry_name, &component) {
+        let stored = self.store(&path, &entry_name, &component);
+        if stored.is_ok() {
+            self.evict(&path);
+        }
+        match stored {
             Ok(()) if refused => Ok((component, CacheOutcome::Recompiled)),
             Ok(()) => Ok((component, CacheOutcome::Compiled)),
             Err(err) => {
@@ -289,6 +371,9 @@ fn read_entry(path: &Path) -> Result<Option<Vec<u8>>, String> {
     if bytes.len() as u64 > MAX_ENTRY_BYTES {
         return Err(format!("it is over {MAX_ENTRY_BYTES} bytes"));
     }
+    // Used now: the bound evicts the least recently used entries. (Best
+    // effort: an entry this user does not own keeps its time.)
+    let _ = file.set_modified(std::time::SystemTime::now());
     Ok(Some(bytes))
 }
 

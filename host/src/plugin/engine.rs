@@ -15,6 +15,9 @@ use super::cache::ArtifactCache;
 pub struct SandboxConfig {
     /// Where compiled components are cached. `None` compiles on every start.
     pub cache_dir: Option<PathBuf>,
+    /// The most bytes of entries the cache keeps: past it, the least
+    /// recently used are removed when a new one is written.
+    pub cache_max_bytes: u64,
     /// Instances that may be alive at once, across all components. The pool
     /// reserves address space for this many.
     pub max_concurrent_instances: u32,
@@ -35,6 +38,7 @@ impl Default for SandboxConfig {
     fn default() -> Self {
         Self {
             cache_dir: None,
+            cache_max_bytes: super::cache::DEFAULT_MAX_BYTES,
             max_concurrent_instances: 256,
             max_memory_bytes: 256 << 20,
             epoch_tick: Duration::from_millis(10),
@@ -104,7 +108,9 @@ impl SandboxEngine {
         let engine = Engine::new(&wasm).map_err(anyhow::Error::from)?;
 
         let cache = match &config.cache_dir {
-            Some(dir) => Some(ArtifactCache::open(dir.clone(), &engine)?),
+            Some(dir) => Some(
+                ArtifactCache::open(dir.clone(), &engine)?.with_max_bytes(config.cache_max_bytes),
+            ),
             None => None,
         };
 

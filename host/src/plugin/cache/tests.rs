@@ -270,3 +270,103 @@ fn a_key_file_owned_by_another_user_is_refused() {
         "owned by uid 65534",
     );
 }
+
+/// A tiny component; each `n` is another build of it (another digest).
+fn build(n: u32) -> Vec<u8> {
+    wat::parse_str(format!(
+        r#"(component
+             (core module $m (func (export "f") (result i32) i32.const {n}))
+             (core instance $i (instantiate $m))
+             (func (export "f") (result s32) (canon lift (core func $i "f"))))"#
+    ))
+    .expect("a component")
+}
+
+/// The entries' files and their total size.
+fn entries(dir: &Path) -> (Vec<PathBuf>, u64) {
+    let mut found = Vec::new();
+    let mut total = 0;
+    for item in std::fs::read_dir(dir).expect("the cache dir") {
+        let path = item.expect("an item").path();
+        if path.extension().is_some_and(|e| e == "cwasm") {
+            total += std::fs::metadata(&path).expect("stat").len();
+            found.push(path);
+        }
+    }
+    (found, total)
+}
+
+impl Fixture {
+    /// Loads build `n` through a fresh cache bounded to `max` bytes.
+    fn load_build(&self, n: u32, max: u64) -> CacheOutcome {
+        let wasm = build(n);
+        let sha = super::sha256_hex(&wasm);
+        self.cache()
+            .with_max_bytes(max)
+            .load_or_compile(&self.engine, "built", &sha, &wasm)
+            .expect("load")
+            .1
+    }
+}
+
+#[test]
+fn the_cache_stays_under_its_bound_across_twenty_rebuilds() {
+    let fixture = Fixture::new();
+    // Builds 1000..1020 encode alike: their entries are the same size.
+    assert_eq!(fixture.load_build(1000, u64::MAX), CacheOutcome::Compiled);
+    let (_, one) = entries(fixture.dir.path());
+    assert!(one > 0);
+    let bound = 3 * one + one / 2;
+    for n in 1001..1021 {
+        assert_eq!(
+            fixture.load_build(n, bound),
+            CacheOutcome::Compiled,
+            "build {n}"
+        );
+        let (found, total) = entries(fixture.dir.path());
+        assert!(
+            total <= bound,
+            "build {n}: {total} bytes over the bound {bound}"
+        );
+        assert!(found.len() <= 3, "build {n}: {} entries", found.len());
+    }
+    // The newest three are kept; the oldest were removed and compile again.
+    for n in 1018..1021 {
+        assert_eq!(fixture.load_build(n, bound), CacheOutcome::Hit, "build {n}");
+    }
+    assert_eq!(fixture.load_build(1000, bound), CacheOutcome::Compiled);
+}
+
+#[test]
+fn a_hit_marks_its_entry_used_so_the_least_recently_used_goes_first() {
+    let fixture = Fixture::new();
+    assert_eq!(fixture.load_build(2000, u64::MAX), CacheOutcome::Compiled);
+    let (_, one) = entries(fixture.dir.path());
+    let bound = 3 * one + one / 2;
+    let pause = || std::thread::sleep(std::time::Duration::from_millis(20));
+    for n in [2001, 2002] {
+        pause();
+        assert_eq!(fixture.load_build(n, bound), CacheOutcome::Compiled);
+    }
+    // 2000 is the oldest written, but used now.
+    pause();
+    assert_eq!(fixture.load_build(2000, bound), CacheOutcome::Hit);
+    pause();
+    assert_eq!(fixture.load_build(2003, bound), CacheOutcome::Compiled);
+    assert_eq!(fixture.load_build(2000, bound), CacheOutcome::Hit);
+    assert_eq!(
+        fixture.load_build(2001, bound),
+        CacheOutcome::Compiled,
+        "evicted"
+    );
+}
+
+#[test]
+fn an_entry_alone_over_the_bound_is_kept_and_runs() {
+    let fixture = Fixture::new();
+    assert_eq!(fixture.load_build(3000, 1), CacheOutcome::Compiled);
+    assert_eq!(fixture.load_build(3000, 1), CacheOutcome::Hit);
+    assert_eq!(fixture.load_build(3001, 1), CacheOutcome::Compiled);
+    let (found, _) = entries(fixture.dir.path());
+    assert_eq!(found.len(), 1, "only the newest: {found:?}");
+}
