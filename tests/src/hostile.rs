@@ -355,6 +355,31 @@ pub fn tool_report(end: &TurnEnd, tool: &str) -> String {
     end.text[prefix.len()..].to_string()
 }
 
+/// What the model reads of a tool call whose guest trapped.
+pub const CRASHED_NOTE: &str = "the tool crashed (its error is in the session's Step history)";
+
+/// A trapped tool call: the model read one line, not `trap_text`, which
+/// the session's Step history keeps.
+pub fn assert_tool_crashed(
+    end: &TurnEnd,
+    tool: &str,
+    history: &[StepHistoryEntry],
+    trap_text: &str,
+) {
+    assert_tool_failed(end, tool, CRASHED_NOTE);
+    assert!(
+        !end.text.contains(trap_text),
+        "{tool}: the trap's text reached the model: {:?}",
+        end.text
+    );
+    assert!(
+        history
+            .iter()
+            .any(|e| e.detail.as_deref().is_some_and(|d| d.contains(trap_text))),
+        "{tool}: the Step history should keep {trap_text:?}: {history:?}"
+    );
+}
+
 pub fn assert_tool_failed(end: &TurnEnd, tool: &str, expected: &str) {
     let report = tool_report(end, tool);
     assert!(

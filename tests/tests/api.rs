@@ -277,12 +277,13 @@ async fn errors_are_typed_json_with_the_right_status() {
             StatusCode::BAD_REQUEST,
             "bad_request",
         ),
+        // No body, so no JSON content type.
         (
             "POST",
             "/v1/agents/Helpdesk/sessions".into(),
             None,
-            StatusCode::BAD_REQUEST,
-            "bad_request",
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
         ),
         (
             "GET",
@@ -842,4 +843,48 @@ async fn every_answer_carries_a_request_id_and_a_callers_id_is_kept() {
         Some("x".repeat(128)),
         "128 characters are kept"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_that_is_not_json_is_a_415_and_one_too_large_a_413() {
+    let server = ApiServer::helpdesk(json!({"turns": []})).await;
+    let http = reqwest::Client::new();
+    let url = format!("{}/v1/agents/Helpdesk/sessions", server.base);
+    for content_type in [
+        None,
+        Some("text/plain"),
+        Some("application/x-www-form-urlencoded"),
+    ] {
+        let mut request = http
+            .post(&url)
+            .bearer_auth(TEST_TOKEN)
+            .body(r#"{"session_id": "m1", "message": ""}"#);
+        if let Some(content_type) = content_type {
+            request = request.header("content-type", content_type);
+        }
+        let response = request.send().await.unwrap();
+        assert_eq!(response.status(), 415, "{content_type:?}");
+        let error: Value = response.json().await.unwrap();
+        assert_eq!(error["error"]["code"], "unsupported_media_type", "{error}");
+    }
+    let response = http
+        .post(&url)
+        .bearer_auth(TEST_TOKEN)
+        .header("content-type", "application/json")
+        .body(format!(
+            r#"{{"session_id": "m1", "message": "{}"}}"#,
+            "x".repeat(2 << 20)
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 413);
+    // Nothing was started by any of them.
+    let response = http
+        .get(format!("{}/v1/sessions/m1", server.base))
+        .bearer_auth(TEST_TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 404);
 }

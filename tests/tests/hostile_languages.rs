@@ -140,6 +140,30 @@ fn assert_failed(outcome: &str, tool: &str, expected: &str) {
     );
 }
 
+/// A call whose guest trapped (an uncaught exception, in these languages):
+/// the model read one line, not `trap_text`, which the Step history of
+/// session `t{index}` keeps.
+async fn assert_crashed(
+    stack: &AgentTestStack,
+    index: usize,
+    outcome: &str,
+    tool: &str,
+    trap_text: &str,
+) {
+    assert_failed(outcome, tool, dexa_tests::hostile::CRASHED_NOTE);
+    assert!(
+        !outcome.contains(trap_text),
+        "{tool}: the trap's text reached the model: {outcome}"
+    );
+    let history = stack.read_step_history(&format!("t{index}")).await;
+    assert!(
+        history
+            .iter()
+            .any(|e| e.detail.as_deref().is_some_and(|d| d.contains(trap_text))),
+        "{tool}: the Step history should keep {trap_text:?}: {history:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_python_and_javascript_tool_attack_fails_only_its_own_call() {
     let peers = Peers::start();
@@ -186,42 +210,64 @@ async fn each_python_and_javascript_tool_attack_fails_only_its_own_call() {
     // CPython keeps its frames on the heap: deep recursion runs into the
     // memory limit before the wasm stack.
     assert_failed(&ends[1], "py_recurse", limit);
-    for (end, path) in [(&ends[2], "/data/../secret.txt"), (&ends[3], "/data/link")] {
-        assert_failed(
+    // An uncaught exception is a trap: the model reads one line, and the
+    // exception stays in the history.
+    for (index, path) in [(2, "/data/../secret.txt"), (3, "/data/link")] {
+        let end = &ends[index];
+        assert_crashed(
+            &stack,
+            index,
             end,
             "py_read_file",
             &format!("PermissionError: [Errno 63] Operation not permitted: '{path}'"),
-        );
+        )
+        .await;
         assert!(!end.contains(SECRET_FILE_TEXT), "{path} leaked: {end}");
     }
     assert_eq!(ends[4], "granted text");
-    assert_failed(
+    assert_crashed(
+        &stack,
+        5,
         &ends[5],
         "py_read_env",
         &format!("KeyError: '{SECRET_VAR}'"),
-    );
+    )
+    .await;
     assert!(!ends[5].contains(SECRET_VALUE));
     assert_eq!(ends[6], "granted-value");
-    assert_failed(&ends[7], "py_tcp_connect", "PermissionError");
+    assert_crashed(&stack, 7, &ends[7], "py_tcp_connect", "PermissionError").await;
     assert_eq!(ends[8], "connected", "a granted address is reachable");
     let output_limit = "over the output limit of 1048576 bytes";
     assert_failed(&ends[9], "py_big_output", output_limit);
     // Events over the budget are dropped and the call goes on.
     assert_eq!(ends[10], "flooded");
-    assert_failed(
+    assert_crashed(
+        &stack,
+        11,
         &ends[11],
         "py_trap",
         "RuntimeError: py-hostile-tool raises on purpose",
-    );
+    )
+    .await;
     assert_failed(&ends[12], "js_memory_bomb", limit);
-    assert_failed(&ends[13], "js_recurse", "InternalError: too much recursion");
+    assert_crashed(
+        &stack,
+        13,
+        &ends[13],
+        "js_recurse",
+        "InternalError: too much recursion",
+    )
+    .await;
     assert_failed(&ends[14], "js_big_output", output_limit);
     assert_eq!(ends[15], "flooded");
-    assert_failed(
+    assert_crashed(
+        &stack,
+        16,
         &ends[16],
         "js_trap",
         "Error: js-hostile-tool throws on purpose",
-    );
+    )
+    .await;
     assert_eq!(
         peers.tcp_refused.connections(),
         0,

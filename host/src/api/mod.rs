@@ -180,6 +180,12 @@ fn body<T>(payload: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> {
                      nothing was done"
                 ),
             )
+        } else if rejection.status() == StatusCode::UNSUPPORTED_MEDIA_TYPE {
+            ApiError::new(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "unsupported_media_type",
+                "send the body as JSON, with content-type: application/json; nothing was done",
+            )
         } else {
             ApiError::bad_request(rejection.body_text())
         }

@@ -16,6 +16,7 @@ fn error_responses(codes: &[u16]) -> Value {
             404 => "No such agent or session",
             409 => "Conflict: the session exists, is not running, or a Step holds a lock",
             413 => "Too large: the request body is over the server's limit (`payload_too_large`), or the user message over the session's cap (`message_too_large`); nothing was queued or started",
+            415 => "The body is not sent as JSON (`unsupported_media_type`): send `content-type: application/json`",
             422 => "The Idempotency-Key was used before on this session with another text (`idempotency_key_reused`); nothing was queued",
             _ => "Error",
         };
@@ -64,7 +65,7 @@ pub fn document() -> Value {
                 "operationId": "startSession", "summary": "Start a session; a non-blank message starts its first turn",
                 "parameters": [{"name": "agent", "in": "path", "required": true, "schema": {"type": "string"}}],
                 "requestBody": json_body("StartSession"),
-                "responses": with_errors(json!({"201": json_ok("Started", "SessionStarted")}), &[400, 401, 404, 409, 413])
+                "responses": with_errors(json!({"201": json_ok("Started", "SessionStarted")}), &[400, 401, 404, 409, 413, 415])
             }},
             "/v1/sessions": {"get": {
                 "operationId": "listSessions", "summary": "Sessions, newest first",
@@ -116,14 +117,14 @@ pub fn document() -> Value {
                     "responses": with_errors(json!({
                         "200": json_ok("With `wait`: the turn ended (`status` completed, failed or cancelled)", "Queued"),
                         "202": json_ok("Queued (or, for a retried key, queued before); with `wait`, the turn waits for an approval or still runs", "Queued")
-                    }), &[400, 401, 404, 409, 413, 422])
+                    }), &[400, 401, 404, 409, 413, 415, 422])
                 }
             },
             "/v1/sessions/{session_id}/interrupts": {"post": {
                 "operationId": "resolveInterrupt", "summary": "Approve or reject a pending tool call",
                 "parameters": [session_param()],
                 "requestBody": json_body("ResolveInterrupt"),
-                "responses": with_errors(json!({"200": json_ok("Whether it was pending and is now resolved", "Resolved")}), &[400, 401, 404, 409, 413])
+                "responses": with_errors(json!({"200": json_ok("Whether it was pending and is now resolved", "Resolved")}), &[400, 401, 404, 409, 413, 415])
             }},
             "/v1/sessions/{session_id}/turn/cancel": {"post": {
                 "operationId": "cancelTurn", "summary": "Cancel the running turn",
@@ -153,7 +154,7 @@ pub fn document() -> Value {
                     "responses": with_errors(json!({
                         "201": json_ok("Added", "ComponentAdded"),
                         "200": json_ok("Already in the catalog", "ComponentAdded")
-                    }), &[400, 401, 413, 422])
+                    }), &[400, 401, 413, 415, 422])
                 }
             },
             "/v1/agents/{agent}/versions": {"get": {
@@ -167,7 +168,7 @@ pub fn document() -> Value {
                 "parameters": [{"name": "agent", "in": "path", "required": true, "schema": {"type": "string"}},
                     {"name": "X-Dexa-Actor", "in": "header", "required": false, "description": "Who the log records (default `api`)", "schema": {"type": "string", "maxLength": 200}}],
                 "requestBody": json_body("Activate"),
-                "responses": with_errors(json!({"201": json_ok("Activated", "Activated")}), &[400, 401, 404, 413, 422])
+                "responses": with_errors(json!({"201": json_ok("Activated", "Activated")}), &[400, 401, 404, 413, 415, 422])
             }},
             "/v1/agents/{agent}/rollback": {"post": {
                 "operationId": "rollBack",
@@ -175,7 +176,7 @@ pub fn document() -> Value {
                 "parameters": [{"name": "agent", "in": "path", "required": true, "schema": {"type": "string"}},
                     {"name": "X-Dexa-Actor", "in": "header", "required": false, "schema": {"type": "string", "maxLength": 200}}],
                 "requestBody": json_body("Rollback"),
-                "responses": with_errors(json!({"201": json_ok("Activated", "Activated")}), &[400, 401, 404, 409, 413, 422])
+                "responses": with_errors(json!({"201": json_ok("Activated", "Activated")}), &[400, 401, 404, 409, 413, 415, 422])
             }},
             "/v1/sessions/{session_id}/events": {"get": {
                 "operationId": "streamEvents",
@@ -198,7 +199,7 @@ pub fn document() -> Value {
 fn schemas() -> Value {
     json!({
         "Error": {"type": "object", "required": ["error"], "properties": {"error": {"type": "object", "required": ["code", "message"], "properties": {
-            "code": {"type": "string", "enum": ["bad_request", "unauthorized", "not_found", "already_exists", "conflict", "not_running", "busy", "method_not_allowed", "store_unavailable", "internal", "payload_too_large", "message_too_large", "invalid_idempotency_key", "idempotency_key_reused", "activation_refused", "nothing_to_roll_back", "activation_log_moved"]},
+            "code": {"type": "string", "enum": ["bad_request", "unauthorized", "not_found", "already_exists", "conflict", "not_running", "busy", "method_not_allowed", "store_unavailable", "internal", "payload_too_large", "unsupported_media_type", "message_too_large", "invalid_idempotency_key", "idempotency_key_reused", "activation_refused", "nothing_to_roll_back", "activation_log_moved"]},
             "message": {"type": "string"}}}}},
         "AgentList": {"type": "object", "properties": {"agents": {"type": "array", "items": {"type": "object", "properties": {
             "name": {"type": "string"}, "runner": {"type": "string"}, "tool_components": {"type": "array", "items": {"type": "string"}}, "model": {"type": ["string", "null"]}}}}}},

@@ -341,6 +341,7 @@ impl Call {
             });
         }
         let guest_stderr = String::from_utf8_lossy(&self.stderr.contents()).into_owned();
+        let by_guest = err.downcast_ref::<Trap>().is_some();
         let mut reason = match err.downcast_ref::<Trap>() {
             Some(trap) => trap.to_string(),
             // A host import refused what the guest passed: its message says
@@ -360,6 +361,7 @@ impl Call {
             export,
             reason,
             guest_stderr,
+            by_guest,
         })
     }
 }

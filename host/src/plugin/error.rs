@@ -65,6 +65,10 @@ pub enum CallError {
         reason: String,
         /// What the guest wrote to stderr (a Rust panic message, for example).
         guest_stderr: String,
+        /// The guest's own trap (a panic, an uncaught exception, a stack
+        /// overflow), as opposed to a host import refusing what it passed
+        /// (whose `reason` the host wrote).
+        by_guest: bool,
     },
     #[error(
         "component `{component}`: `{export}` ran past its deadline of {timeout:?} and was stopped"

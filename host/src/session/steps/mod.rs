@@ -26,7 +26,7 @@ use crate::flow::{
 };
 use crate::plugin::wit::{self, DeferredToolExecution, ToolError, TurnOutcome};
 use crate::plugin::TurnInput;
-use crate::plugin::{CallEnv, RunnerComponent, StepTag, ToolComponent};
+use crate::plugin::{CallEnv, CallError, RunnerComponent, StepTag, ToolComponent};
 use crate::telemetry::traces::TurnTrace;
 
 mod cancel;
@@ -60,6 +60,14 @@ pub mod step {
 /// up. Only the host writes this prefix; a guest's text always follows host
 /// text.
 pub const NOT_STARTED: &str = "the call never started: ";
+
+/// How a tool Step's failure begins when its guest trapped (a panic, an
+/// uncaught exception, a stack overflow; not a host import's refusal, whose
+/// text the host wrote and the model may read). The trap's text is the guest's:
+/// long, and possibly written to steer the model. So the model is told only
+/// that the tool crashed; the Step history and the log keep the text. Only
+/// the host writes this prefix.
+pub const CRASHED: &str = "the tool crashed: ";
 
 /// How long `build-user-message` may run.
 const BUILD_USER_MESSAGE_TIMEOUT: Duration = Duration::from_secs(60);

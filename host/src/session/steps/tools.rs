@@ -181,6 +181,9 @@ impl SessionSteps {
                 Err(err) if err.never_ran() => {
                     return Err(retryable(format!("{NOT_STARTED}{err}")))
                 }
+                Err(err @ CallError::Trapped { by_guest: true, .. }) => {
+                    return Err(retryable(format!("{CRASHED}{err}")))
+                }
                 Err(err) => return Err(retryable(err.to_string())),
             }
             Ok(finalize(&tag, &record, StepResult::end()))
@@ -235,8 +238,14 @@ impl SessionSteps {
                 usize::try_from(l).unwrap_or(usize::MAX)
             })
             .clamp(ERROR_FLOOR_BYTES, ERROR_TEXT_BYTES);
+        // What the model reads: a trap's text stays in the history.
+        let shown = if detail.starts_with(CRASHED) {
+            "the tool crashed (its error is in the session's Step history)"
+        } else {
+            detail
+        };
         record.error = Some(cut(
-            &format!("the tool call did not complete: {detail}"),
+            &format!("the tool call did not complete: {shown}"),
             limit,
             "the turn's tool outputs are over their budget",
         ));
