@@ -205,7 +205,7 @@ async fn dexa_check_finds_what_a_worker_would_refuse_with_file_and_line() {
         );
         checked += 1;
     }
-    assert_eq!(checked, 38);
+    assert_eq!(checked, 39);
 
     // The README's example, with its files at hand, and the example agent.
     let readme = std::fs::read_to_string(repo_root().join("README.md")).unwrap();

@@ -42,6 +42,7 @@ async fn each_tool_attack_fails_only_its_own_call_with_a_readable_recorded_error
         ("tcp_connect", json!({"addr": tcp_refused})),
         ("tcp_connect", json!({"addr": tcp_granted})),
         ("handle_hoard", json!({})),
+        ("stderr_exit", json!({})),
     ];
     // All at once, on one worker: each must fail (or pass) on its own. Only
     // the spin is stopped by its (1 s) deadline; every other attack has 60 s
@@ -110,6 +111,14 @@ async fn each_tool_attack_fails_only_its_own_call_with_a_readable_recorded_error
     );
     // Host-side handles are capped per call (4096 by default).
     assert_tool_failed(&ends[15], "handle_hoard", "resource table has no free keys");
+    // Not a trap (an exit), so the host's reason is shown, but never what
+    // the guest wrote to stderr.
+    assert_tool_failed(&ends[16], "stderr_exit", "exit status");
+    assert!(
+        !ends[16].text.contains("hostile stderr for the model"),
+        "{:?}",
+        ends[16]
+    );
     assert_eq!(
         peers.http_refused.connections(),
         0,

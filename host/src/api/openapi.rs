@@ -154,7 +154,7 @@ pub fn document() -> Value {
                     "responses": with_errors(json!({
                         "201": json_ok("Added", "ComponentAdded"),
                         "200": json_ok("Already in the catalog", "ComponentAdded")
-                    }), &[400, 401, 413, 415, 422])
+                    }), &[400, 401, 413, 422])
                 }
             },
             "/v1/agents/{agent}/versions": {"get": {

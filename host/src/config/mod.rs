@@ -433,7 +433,7 @@ limits = { memory = "64MiB", fuel = 1_000, max_concurrent_calls = 2, output = 40
                 (body, line, needle.to_string())
             })
             .collect();
-        assert_eq!(cases.len(), 38, "the fixture's cases");
+        assert_eq!(cases.len(), 39, "the fixture's cases");
         for (text, line, needle) in &cases {
             let err = match parse(text) {
                 Ok(_) => panic!("accepted:\n{text}"),

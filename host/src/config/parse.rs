@@ -49,10 +49,19 @@ impl DexaConfig {
         let cache_dir = paths.resolve(raw.cache_dir.as_deref().unwrap_or(".dexa/cache/components"));
         let cache_max_bytes = match &raw.cache_max {
             None => crate::plugin::DEFAULT_CACHE_MAX_BYTES,
-            Some(max) => max
-                .get_ref()
-                .bytes()
-                .map_err(|m| loc.at(max.span(), format!("cache_max: {m}")))?,
+            Some(max) => {
+                let bytes = max
+                    .get_ref()
+                    .bytes()
+                    .map_err(|m| loc.at(max.span(), format!("cache_max: {m}")))?;
+                if bytes < crate::plugin::MIN_CACHE_MAX_BYTES {
+                    return Err(loc.at(
+                        max.span(),
+                        "cache_max must be at least 64MiB (a few compiled components)".into(),
+                    ));
+                }
+                bytes
+            }
         };
         let worker = worker(&raw.worker, &loc)?;
         let roles = roles(&raw, &loc)?;

@@ -86,8 +86,14 @@ const MAX_ENTRY_BYTES: u64 = 1 << 30;
 /// The bytes of entries a cache keeps unless configured otherwise: a few
 /// versions of a dozen components (a Python component's entry is ~35 MB).
 pub const DEFAULT_MAX_BYTES: u64 = 1 << 30;
+/// The smallest bound a configuration may set: below a few entries, every
+/// start would recompile what the last one evicted.
+pub const MIN_MAX_BYTES: u64 = 64 << 20;
 /// What entry files are named with.
 const ENTRY_SUFFIX: &str = ".cwasm";
+/// What this cache's temporary files are named with: eviction removes only
+/// files named as this cache names them, whatever else the directory holds.
+const TEMPORARY_PREFIX: &str = ".dexa-entry-";
 /// A temporary file a crashed write left behind is removed after this long.
 const STALE_TEMPORARY: std::time::Duration = std::time::Duration::from_secs(3600);
 
@@ -170,14 +176,14 @@ impl ArtifactCache {
                 continue;
             };
             let used = meta.modified().unwrap_or(now);
-            if name.starts_with(".tmp") {
+            if name.starts_with(TEMPORARY_PREFIX) {
                 if meta.is_file() && now.duration_since(used).unwrap_or_default() > STALE_TEMPORARY
                 {
                     let _ = std::fs::remove_file(&path);
                 }
                 continue;
             }
-            if !meta.is_file() || !name.ends_with(ENTRY_SUFFIX) {
+            if !meta.is_file() || !is_entry_name(&name) {
                 continue;
             }
             total = total.saturating_add(meta.len());
@@ -194,7 +200,12 @@ impl ArtifactCache {
             if path == keep {
                 continue;
             }
-            if std::fs::remove_file(&path).is_ok() {
+            let removed = match std::fs::remove_file(&path) {
+                Ok(()) => true,
+                // Another process evicted it first: it is gone all the same.
+                Err(err) => err.kind() == ErrorKind::NotFound,
+            };
+            if removed {
                 total = total.saturating_sub(bytes);
                 tracing::info!(
                     path = %path.display(),
@@ -315,12 +326,24 @@ impl ArtifactCache {
         drop(artifact);
         // A private (0600) temporary file, renamed over whatever is at
         // `path`: a symlink there is replaced, not followed.
-        let mut file = tempfile::NamedTempFile::new_in(&self.dir)?;
+        let mut file = tempfile::Builder::new()
+            .prefix(TEMPORARY_PREFIX)
+            .tempfile_in(&self.dir)?;
         file.write_all(&entry)?;
         file.as_file().sync_all()?;
         file.persist(path)?;
         Ok(())
     }
+}
+
+/// Whether `name` is an entry's: 64 hex digits (the component), `-`, 16
+/// hex digits (the engine), [`ENTRY_SUFFIX`].
+fn is_entry_name(name: &str) -> bool {
+    let Some(stem) = name.strip_suffix(ENTRY_SUFFIX) else {
+        return false;
+    };
+    let hex = |s: &str, len: usize| s.len() == len && s.bytes().all(|b| b.is_ascii_hexdigit());
+    matches!(stem.split_once('-'), Some((component, engine)) if hex(component, 64) && hex(engine, 16))
 }
 
 /// Warns that the entry at `path` is refused, and removes it.

@@ -24,7 +24,10 @@ mod limits;
 mod wit_version;
 
 pub use bindings::wit;
-pub use cache::{CacheOutcome, DEFAULT_MAX_BYTES as DEFAULT_CACHE_MAX_BYTES};
+pub use cache::{
+    CacheOutcome, DEFAULT_MAX_BYTES as DEFAULT_CACHE_MAX_BYTES,
+    MIN_MAX_BYTES as MIN_CACHE_MAX_BYTES,
+};
 pub use call::{CallEnv, CallState};
 pub use component::{ComponentInfo, ComponentSettings, RunnerComponent, ToolComponent, World};
 pub use engine::{SandboxConfig, SandboxEngine};

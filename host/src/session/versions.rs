@@ -67,12 +67,14 @@ impl ActivationWatch {
 
     /// The log as of at most [`Self::REFRESH`] ago.
     pub async fn current(&self) -> Result<Arc<RoleStates>, VersionError> {
-        self.read(false).await
+        self.read(None).await
     }
 
-    /// The log as it is now.
+    /// The log as it is now: read after this call began (by this call, or
+    /// by another that waited for the same lock, so that callers queued
+    /// behind one read share it).
     pub async fn fresh(&self) -> Result<Arc<RoleStates>, VersionError> {
-        self.read(true).await
+        self.read(Some(Instant::now())).await
     }
 
     /// [`Self::current`], read anew when that view has no active version of
@@ -92,11 +94,19 @@ impl ActivationWatch {
         self.fresh().await
     }
 
-    async fn read(&self, fresh: bool) -> Result<Arc<RoleStates>, VersionError> {
+    /// The cached view if it is recent enough: read after `asked` when
+    /// that is given, else within [`Self::REFRESH`].
+    async fn read(&self, asked: Option<Instant>) -> Result<Arc<RoleStates>, VersionError> {
         let mut seen = self.seen.lock().await;
-        if !fresh && seen.1.is_some_and(|at| at.elapsed() < Self::REFRESH) {
+        let recent = match asked {
+            Some(asked) => seen.1.is_some_and(|at| at >= asked),
+            None => seen.1.is_some_and(|at| at.elapsed() < Self::REFRESH),
+        };
+        if recent {
             return Ok(seen.0.clone());
         }
+        // When the read began: what it returns is at least this new.
+        let read_at = Instant::now();
         let newer = self
             .catalog
             .activations_after(seen.0.last_seq)
@@ -111,7 +121,7 @@ impl ActivationWatch {
             }
             seen.0 = Arc::new(states);
         }
-        seen.1 = Some(Instant::now());
+        seen.1 = Some(read_at);
         Ok(seen.0.clone())
     }
 }

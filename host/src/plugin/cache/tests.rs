@@ -288,7 +288,8 @@ fn entries(dir: &Path) -> (Vec<PathBuf>, u64) {
     let mut total = 0;
     for item in std::fs::read_dir(dir).expect("the cache dir") {
         let path = item.expect("an item").path();
-        if path.extension().is_some_and(|e| e == "cwasm") {
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
+        if name.is_some_and(|n| super::is_entry_name(&n)) {
             total += std::fs::metadata(&path).expect("stat").len();
             found.push(path);
         }
@@ -359,6 +360,45 @@ fn a_hit_marks_its_entry_used_so_the_least_recently_used_goes_first() {
         CacheOutcome::Compiled,
         "evicted"
     );
+}
+
+#[test]
+fn eviction_removes_only_what_the_cache_named_itself() {
+    let fixture = Fixture::new();
+    let dir = fixture.dir.path();
+    let two_hours_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(7200);
+    let aged = |name: &str| {
+        let path = dir.join(name);
+        std::fs::write(&path, vec![0u8; 4096]).expect("write");
+        std::fs::File::options()
+            .write(true)
+            .open(&path)
+            .and_then(|f| f.set_modified(two_hours_ago))
+            .expect("age it");
+        path
+    };
+    // Another program's files in a shared directory, old and large.
+    let foreign = [
+        aged("other.cwasm"),
+        aged(".tmp-someone-elses"),
+        aged(&format!("{}-{}.cwasm.bak", "a".repeat(64), "b".repeat(16))),
+    ];
+    // A temporary file of this cache that a crashed write left.
+    let crashed = aged(".dexa-entry-crashed");
+    assert_eq!(fixture.load_build(4000, u64::MAX), CacheOutcome::Compiled);
+    let (_, one) = entries(dir);
+    for n in 4001..4005 {
+        assert_eq!(fixture.load_build(n, one + one / 2), CacheOutcome::Compiled);
+    }
+    for path in &foreign {
+        assert!(path.exists(), "{} was removed", path.display());
+    }
+    assert!(
+        !crashed.exists(),
+        "a stale temporary file of the cache stays"
+    );
+    assert!(dir.join(super::key::KEY_FILE).exists(), "the key stays");
+    assert_eq!(entries(dir).0.len(), 1);
 }
 
 #[test]
