@@ -888,3 +888,97 @@ async fn a_body_that_is_not_json_is_a_415_and_one_too_large_a_413() {
         .unwrap();
     assert_eq!(response.status(), 404);
 }
+
+/// CORS is off by default: no answer lets another origin's page read it.
+/// With `--cors-origin`, the listed origin's preflight (which carries no
+/// token) is answered, and its requests are readable; others' are not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cors_is_off_by_default_and_allows_only_the_configured_origins() {
+    use dexa::api::cors::CorsOrigins;
+    let http = reqwest::Client::new();
+    let allow_origin = |response: &reqwest::Response| {
+        response
+            .headers()
+            .get("access-control-allow-origin")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+    };
+    let preflight = |base: &str, origin: &str| {
+        http.request(reqwest::Method::OPTIONS, format!("{base}/v1/agents"))
+            .header("origin", origin)
+            .header("access-control-request-method", "GET")
+            .header("access-control-request-headers", "authorization")
+            .send()
+    };
+    let off = ApiServer::helpdesk(json!({"turns": []})).await;
+    let response = preflight(&off.base, "https://app.example.com")
+        .await
+        .unwrap();
+    assert_eq!(allow_origin(&response), None, "off by default");
+    let response = http
+        .get(format!("{}/v1/agents", off.base))
+        .bearer_auth(TEST_TOKEN)
+        .header("origin", "https://app.example.com")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(allow_origin(&response), None);
+
+    let dir = tempfile::tempdir().unwrap();
+    let config = dexa::config::DexaConfig::load(dexa_tests::api_server::helpdesk_config(
+        dir.path(),
+        &json!({"turns": []}),
+    ))
+    .unwrap();
+    let deployment =
+        std::sync::Arc::new(dexa::config::Deployment::for_clients(config).await.unwrap());
+    let origins = CorsOrigins::parse(&["https://app.example.com".to_string()]).unwrap();
+    let app = dexa::api::router(
+        dexa::api::ApiState::new(
+            deployment,
+            Some(std::sync::Arc::new(TEST_TOKEN.to_string())),
+        )
+        .with_cors(origins),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    let response = preflight(&base, "https://app.example.com").await.unwrap();
+    assert!(response.status().is_success(), "{}", response.status());
+    assert_eq!(
+        allow_origin(&response).as_deref(),
+        Some("https://app.example.com")
+    );
+    let allowed = response
+        .headers()
+        .get("access-control-allow-headers")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_ascii_lowercase();
+    assert!(allowed.contains("authorization"), "{allowed}");
+    let response = http
+        .get(format!("{base}/v1/agents"))
+        .bearer_auth(TEST_TOKEN)
+        .header("origin", "https://app.example.com")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(
+        allow_origin(&response).as_deref(),
+        Some("https://app.example.com")
+    );
+    // The token is still needed; CORS only lets the page read the answer.
+    let response = http
+        .get(format!("{base}/v1/agents"))
+        .header("origin", "https://app.example.com")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 401);
+    let response = preflight(&base, "https://evil.example").await.unwrap();
+    assert_eq!(allow_origin(&response), None, "another origin");
+}

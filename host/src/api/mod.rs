@@ -3,6 +3,7 @@
 //! document at `/openapi.json`, and bearer-token auth on everything under
 //! `/v1`.
 
+pub mod cors;
 pub mod error;
 pub mod limits;
 pub mod listener;
@@ -69,6 +70,8 @@ pub struct ApiState {
     ready: Arc<ready::ReadyCache>,
     /// The process's metrics, for `/metrics` (none: it answers 404).
     metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
+    /// Which browser origins may call the API (off by default).
+    cors: cors::CorsOrigins,
 }
 
 impl ApiState {
@@ -79,7 +82,14 @@ impl ApiState {
             engine: Default::default(),
             ready: Default::default(),
             metrics: None,
+            cors: cors::CorsOrigins::Off,
         }
+    }
+
+    /// Lets browser pages of `origins` call the API (see [`cors`]).
+    pub fn with_cors(mut self, origins: cors::CorsOrigins) -> Self {
+        self.cors = origins;
+        self
     }
 
     /// Serves `handle`'s metrics at `/metrics`.
@@ -91,6 +101,7 @@ impl ApiState {
 
 /// The whole application: the API, the OpenAPI document and health.
 pub fn router(state: ApiState) -> Router {
+    let cors = state.cors.layer();
     let api = Router::new()
         .route("/v1/agents", get(list_agents))
         .route("/v1/agents/{agent}/sessions", post(start_session))
@@ -136,6 +147,11 @@ pub fn router(state: ApiState) -> Router {
         // a documented part of the API; `body` turns its rejection into JSON.
         .layer(DefaultBodyLimit::max(MAX_REQUEST_BODY_BYTES))
         .with_state(state);
+    // Outside the token check: a browser's preflight carries no token.
+    let app = match cors {
+        Some(cors) => app.layer(cors),
+        None => app,
+    };
     request_log::around(app)
 }
 

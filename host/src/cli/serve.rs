@@ -43,6 +43,15 @@ pub struct ServeArgs {
     /// worker, at most 4096).
     #[arg(long, env = "DEXA_MAX_CONNECTIONS")]
     pub max_connections: Option<usize>,
+    /// A browser origin that may call the API (`https://app.example.com`,
+    /// or `*` for any); repeat for more. None by default: CORS is off.
+    #[arg(
+        long = "cors-origin",
+        value_name = "ORIGIN",
+        env = "DEXA_CORS_ORIGINS",
+        value_delimiter = ','
+    )]
+    pub cors_origins: Vec<String>,
 }
 
 /// `10s`, `500ms`, `1m`...
@@ -128,6 +137,8 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     // refused at once.
     let fd_limit = raise_fd_limit().context("cannot read the open-file limit")?;
     let limits = ConnectionLimits::new(args.header_timeout, args.max_connections, fd_limit)?;
+    let cors =
+        crate::api::cors::CorsOrigins::parse(&args.cors_origins).map_err(anyhow::Error::msg)?;
     let config = DexaConfig::load(&args.config)?;
     // Before the worker starts, which records from its first claim.
     let metrics = crate::telemetry::install_prometheus()?;
@@ -158,8 +169,11 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         }))
     });
     let first_signal = signals.clone();
-    let app =
-        router(ApiState::new(deployment.clone(), Some(Arc::new(token))).with_metrics(metrics));
+    let app = router(
+        ApiState::new(deployment.clone(), Some(Arc::new(token)))
+            .with_metrics(metrics)
+            .with_cors(cors),
+    );
     let tcp = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
