@@ -10,6 +10,21 @@ use serde_json::Value;
 
 use crate::{guest_wasm, repo_root};
 
+/// Serves `app` on a free loopback port for the rest of the test; its base
+/// URL (`http://127.0.0.1:<port>`).
+pub async fn serve_on_loopback(app: axum::Router) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .unwrap_or_else(|err| panic!("bind: {err}"));
+    let address = listener
+        .local_addr()
+        .unwrap_or_else(|err| panic!("address: {err}"));
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    format!("http://{address}")
+}
+
 /// The token the test server wants.
 pub const TEST_TOKEN: &str = "test-token-7f3a";
 

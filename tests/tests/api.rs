@@ -775,17 +775,20 @@ async fn an_oversized_message_gets_a_typed_413_queues_nothing_and_the_session_go
     assert_eq!(snapshot["state"]["last_turn_error"], Value::Null);
 }
 
+/// An answer's header `name`, as text.
+fn header(response: &reqwest::Response, name: &str) -> Option<String> {
+    response
+        .headers()
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_answer_carries_a_request_id_and_a_callers_id_is_kept() {
     let server = ApiServer::helpdesk(json!({"turns": []})).await;
     let http = reqwest::Client::new();
-    let id = |response: &reqwest::Response| {
-        response
-            .headers()
-            .get("x-request-id")
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_string)
-    };
+    let id = |response: &reqwest::Response| header(response, "x-request-id");
     // A new id for each request, on answers of every kind (401, 404, 200).
     let mut seen = std::collections::HashSet::new();
     for (path, token, status) in [
@@ -896,13 +899,8 @@ async fn a_body_that_is_not_json_is_a_415_and_one_too_large_a_413() {
 async fn cors_is_off_by_default_and_allows_only_the_configured_origins() {
     use dexa::api::cors::CorsOrigins;
     let http = reqwest::Client::new();
-    let allow_origin = |response: &reqwest::Response| {
-        response
-            .headers()
-            .get("access-control-allow-origin")
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_string)
-    };
+    let allow_origin =
+        |response: &reqwest::Response| header(response, "access-control-allow-origin");
     let preflight = |base: &str, origin: &str| {
         http.request(reqwest::Method::OPTIONS, format!("{base}/v1/agents"))
             .header("origin", origin)
@@ -941,11 +939,7 @@ async fn cors_is_off_by_default_and_allows_only_the_configured_origins() {
         )
         .with_cors(origins),
     );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move {
-        let _ = axum::serve(listener, app).await;
-    });
+    let base = dexa_tests::api_server::serve_on_loopback(app).await;
     let response = preflight(&base, "https://app.example.com").await.unwrap();
     assert!(response.status().is_success(), "{}", response.status());
     assert_eq!(

@@ -157,11 +157,7 @@ async fn serve_metrics_need_the_token_and_count_what_the_step_history_records() 
         ApiState::new(deployment.clone(), Some(Arc::new(TEST_TOKEN.to_string())))
             .with_metrics(handle),
     );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
-    let server = tokio::spawn(async move {
-        let _ = axum::serve(listener, app).await;
-    });
+    let base = dexa_tests::api_server::serve_on_loopback(app).await;
     let sessions = deployment.sessions("Helpdesk").unwrap();
     sessions.start_session("m1", "hello").await.unwrap();
     wait_for_turns(&sessions, "m1", 1).await;
@@ -272,7 +268,6 @@ async fn serve_metrics_need_the_token_and_count_what_the_step_history_records() 
         after - before >= data as f64 && data > 0,
         "{before} -> {after} after {data} bytes of data"
     );
-    server.abort();
     worker.abort();
 }
 

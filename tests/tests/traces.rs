@@ -15,7 +15,7 @@ use axum::routing::post;
 use dexa::api::{router, ApiState};
 use dexa::config::{Deployment, DexaConfig};
 use dexa::flow::{history, StepHistoryEntry};
-use dexa_tests::api_server::TEST_TOKEN;
+use dexa_tests::api_server::{serve_on_loopback, TEST_TOKEN};
 use dexa_tests::kit::{wait_until, AgentTestStack, KitAgent};
 use serde_json::{json, Value};
 
@@ -40,11 +40,7 @@ async fn collector() -> (String, Received) {
             }
         }),
     );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move {
-        let _ = axum::serve(listener, app).await;
-    });
+    let base = serve_on_loopback(app).await;
     (base, received)
 }
 
@@ -171,11 +167,7 @@ impl Traced {
             Arc::new(api),
             Some(Arc::new(TEST_TOKEN.to_string())),
         ));
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let base = format!("http://{}", listener.local_addr().unwrap());
-        tokio::spawn(async move {
-            let _ = axum::serve(listener, app).await;
-        });
+        let base = serve_on_loopback(app).await;
         Self {
             stack,
             base,
