@@ -12,10 +12,11 @@ use serde_json::{json, Value};
 
 const TOKEN: &str = TEST_TOKEN;
 
+#[derive(Clone)]
 struct Served {
     base: String,
     http: reqwest::Client,
-    _server: ApiServer,
+    _server: std::sync::Arc<ApiServer>,
 }
 
 impl Served {
@@ -68,7 +69,7 @@ async fn serve_script(script: Value) -> Served {
     Served {
         base: server.base.clone(),
         http: reqwest::Client::new(),
-        _server: server,
+        _server: std::sync::Arc::new(server),
     }
 }
 
@@ -150,12 +151,25 @@ async fn a_session_through_the_api_with_an_approval_messages_history_and_stop() 
         (StatusCode::OK, json!({"resolved": true}))
     );
     let (status, again) = served
-        .call("POST", "/v1/sessions/s1/interrupts", Some(answer))
+        .call("POST", "/v1/sessions/s1/interrupts", Some(answer.clone()))
         .await;
     assert_eq!(
         (status, again),
-        (StatusCode::OK, json!({"resolved": false}))
+        (StatusCode::OK, json!({"resolved": false})),
+        "answered before: no longer pending"
     );
+    // An interrupt the session never raised is not "already answered".
+    for unknown in ["turn-1/nope", "turn-9/pay", "", "pay"] {
+        let (status, error) = served
+            .call(
+                "POST",
+                "/v1/sessions/s1/interrupts",
+                Some(json!({"interrupt_id": unknown, "approved": true})),
+            )
+            .await;
+        assert_eq!(status, StatusCode::NOT_FOUND, "{unknown:?}: {error}");
+        assert_eq!(error["error"]["code"], "interrupt_not_found", "{error}");
+    }
 
     served
         .snapshot_until("s1", |s| {
@@ -235,6 +249,19 @@ async fn a_session_through_the_api_with_an_approval_messages_history_and_stop() 
     let (status, snapshot) = served.call("GET", "/v1/sessions/s1", None).await;
     assert_eq!(status, StatusCode::OK, "a stopped session is still served");
     assert_eq!(snapshot["flow_status"], "stopped");
+    // Stopped: a raised interrupt is not pending, an unknown one still 404.
+    let (status, late) = served
+        .call("POST", "/v1/sessions/s1/interrupts", Some(answer))
+        .await;
+    assert_eq!((status, late), (StatusCode::OK, json!({"resolved": false})));
+    let (status, _) = served
+        .call(
+            "POST",
+            "/v1/sessions/s1/interrupts",
+            Some(json!({"interrupt_id": "turn-1/nope", "approved": false})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -975,4 +1002,270 @@ async fn cors_is_off_by_default_and_allows_only_the_configured_origins() {
     assert_eq!(response.status(), 401);
     let response = preflight(&base, "https://evil.example").await.unwrap();
     assert_eq!(allow_origin(&response), None, "another origin");
+}
+
+/// Reads SSE events until the server ends the stream; returns (id, type,
+/// data).
+async fn read_sse_to_end(
+    served: &Served,
+    session: &str,
+    last_event_id: Option<&str>,
+) -> Vec<(String, String, Value)> {
+    let mut request = served
+        .http
+        .get(served.url(&format!("/v1/sessions/{session}/events")))
+        .bearer_auth(TOKEN);
+    if let Some(id) = last_event_id {
+        request = request.header("Last-Event-ID", id);
+    }
+    let response = request.send().await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let mut stream = response.bytes_stream().eventsource();
+    let mut seen = Vec::new();
+    loop {
+        let next = tokio::time::timeout(Duration::from_secs(30), stream.next())
+            .await
+            .unwrap_or_else(|_| panic!("the stream did not end; it sent {seen:?}"));
+        let Some(event) = next else {
+            return seen;
+        };
+        let event = event.expect("a well-formed event");
+        let data: Value = serde_json::from_str(&event.data).unwrap();
+        seen.push((event.id, event.event, data));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_sessions_event_stream_sends_every_event_then_session_ended_and_ends() {
+    let served = serve().await;
+    served
+        .call(
+            "POST",
+            "/v1/agents/Helpdesk/sessions",
+            Some(json!({"session_id": "s1", "message": "pay"})),
+        )
+        .await;
+    read_sse(&served, "s1", None, |t| t == "interrupt_raised").await;
+    // A stream open while the session is stopped: it ends after the stop.
+    let open = {
+        let served = served.clone();
+        tokio::spawn(async move { read_sse_to_end(&served, "s1", None).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (status, _) = served.call("POST", "/v1/sessions/s1/stop", None).await;
+    assert_eq!(status, StatusCode::OK);
+    let seen = open.await.expect("the reader");
+    let (last, rest) = seen.split_last().expect("events");
+    assert_eq!(
+        Some(&last.0),
+        rest.last().map(|e| &e.0),
+        "the end sets no id of its own: a reconnect resumes after the last event"
+    );
+    assert_eq!(last.1, "session_ended");
+    assert_eq!(
+        last.2,
+        json!({"session_id": "s1", "status": "stopped", "error": null})
+    );
+    let kinds: Vec<&str> = rest.iter().map(|(_, kind, _)| kind.as_str()).collect();
+    assert_eq!(kinds.first(), Some(&"turn_started"), "{kinds:?}");
+    assert!(kinds.contains(&"interrupt_raised"), "{kinds:?}");
+    assert!(!kinds.contains(&"session_ended"), "{kinds:?}");
+    // Opened after the stop: every event, then the end at once.
+    let again = read_sse_to_end(&served, "s1", None).await;
+    assert_eq!(again.len(), seen.len());
+    assert_eq!(again.last().map(|e| e.1.as_str()), Some("session_ended"));
+    // Resumed from the middle: the rest, then the end.
+    let middle = &rest[rest.len() / 2].0;
+    let resumed = read_sse_to_end(&served, "s1", Some(middle)).await;
+    assert_eq!(resumed.len(), rest.len() - rest.len() / 2);
+    // A reconnect with nothing left: 204, so that EventSource stops.
+    let last_id = &rest.last().expect("an event").0;
+    let response = served
+        .http
+        .get(served.url("/v1/sessions/s1/events"))
+        .bearer_auth(TOKEN)
+        .header("Last-Event-ID", last_id.as_str())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::NO_CONTENT);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_null_or_blank_where_a_string_is_required_is_refused_and_limits_are_clamped() {
+    let served = serve().await;
+    for body in [
+        json!({"session_id": null}),
+        json!({"session_id": ""}),
+        json!({"session_id": "   "}),
+        json!({"session_id": "a\u{0007}b"}),
+        json!({"message": null}),
+    ] {
+        let (status, error) = served
+            .call("POST", "/v1/agents/Helpdesk/sessions", Some(body.clone()))
+            .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}: {error}");
+    }
+    let (_, listed) = served.call("GET", "/v1/sessions", None).await;
+    assert_eq!(listed["sessions"], json!([]), "nothing was started");
+
+    // A session of three messages; limits out of range are clamped.
+    served
+        .call(
+            "POST",
+            "/v1/agents/Helpdesk/sessions",
+            Some(json!({"session_id": "s1", "message": "pay"})),
+        )
+        .await;
+    served
+        .call(
+            "POST",
+            "/v1/agents/Helpdesk/sessions",
+            Some(json!({"session_id": "s2", "message": ""})),
+        )
+        .await;
+    let count = |page: &Value, key: &str| page[key].as_array().map_or(0, Vec::len);
+    for (limit, sessions) in [
+        ("0", 1),
+        ("-5", 1),
+        ("1", 1),
+        ("100000", 2),
+        ("9223372036854775807", 2),
+    ] {
+        let (status, page) = served
+            .call("GET", &format!("/v1/sessions?limit={limit}"), None)
+            .await;
+        assert_eq!(status, StatusCode::OK, "limit={limit}: {page}");
+        assert_eq!(count(&page, "sessions"), sessions, "limit={limit}: {page}");
+    }
+    served
+        .snapshot_until("s1", |s| {
+            s["pending_interrupts"]
+                .as_array()
+                .is_some_and(|p| !p.is_empty())
+        })
+        .await;
+    served
+        .call(
+            "POST",
+            "/v1/sessions/s1/interrupts",
+            Some(json!({"interrupt_id": "turn-1/pay", "approved": true})),
+        )
+        .await;
+    served
+        .snapshot_until("s1", |s| {
+            s["messages"].as_array().is_some_and(|m| m.len() >= 3)
+        })
+        .await;
+    for body in [
+        json!({"text": null}),
+        json!({"text": ""}),
+        json!({"text": " \n\t"}),
+    ] {
+        let (status, error) = served
+            .call("POST", "/v1/sessions/s2/messages", Some(body.clone()))
+            .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}: {error}");
+    }
+    let (_, s2) = served.call("GET", "/v1/sessions/s2", None).await;
+    assert_eq!(s2["queued_message_count"], 0, "nothing was queued: {s2}");
+    for (limit, at_most) in [("0", 1), ("-1", 1), ("999999", 200)] {
+        let (status, page) = served
+            .call(
+                "GET",
+                &format!("/v1/sessions/s1/messages?limit={limit}"),
+                None,
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "limit={limit}: {page}");
+        let n = count(&page, "messages");
+        assert!(n >= 1 && n <= at_most, "limit={limit}: {page}");
+        if at_most == 1 {
+            assert_eq!(n, 1, "limit={limit} is clamped to 1");
+        }
+    }
+    let (status, _) = served
+        .call("GET", "/v1/sessions/s1/messages?limit=1e3", None)
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "not an integer");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_and_history_are_paged_by_cursor_without_a_gap_or_a_repeat() {
+    let served = serve().await;
+    for n in 0..7 {
+        let (status, _) = served
+            .call(
+                "POST",
+                "/v1/agents/Helpdesk/sessions",
+                Some(json!({"session_id": format!("s{n}"), "message": ""})),
+            )
+            .await;
+        assert_eq!(status, StatusCode::CREATED);
+    }
+    let (_, whole) = served.call("GET", "/v1/sessions", None).await;
+    assert_eq!(whole["next_cursor"], Value::Null, "one page holds them all");
+    let ids = |page: &Value| -> Vec<String> {
+        page["sessions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["session_id"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let expected = ids(&whole);
+    assert_eq!(expected.len(), 7);
+    let mut paged = Vec::new();
+    let mut path = "/v1/sessions?limit=3".to_string();
+    for _ in 0..10 {
+        let (status, page) = served.call("GET", &path, None).await;
+        assert_eq!(status, StatusCode::OK, "{page}");
+        assert!(ids(&page).len() <= 3);
+        paged.extend(ids(&page));
+        match page["next_cursor"].as_str() {
+            Some(cursor) => path = format!("/v1/sessions?limit=3&cursor={cursor}"),
+            None => break,
+        }
+    }
+    assert_eq!(
+        paged, expected,
+        "pages of 3, in order, none twice, none missed"
+    );
+    let (status, error) = served
+        .call("GET", "/v1/sessions?cursor=not-a-cursor", None)
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(error["error"]["code"], "invalid_cursor");
+
+    // The Step history of a turn with an approval, one entry a page.
+    served
+        .call(
+            "POST",
+            "/v1/agents/Helpdesk/sessions",
+            Some(json!({"session_id": "h", "message": "pay"})),
+        )
+        .await;
+    served
+        .snapshot_until("h", |s| {
+            s["pending_interrupts"]
+                .as_array()
+                .is_some_and(|p| !p.is_empty())
+        })
+        .await;
+    let (_, history) = served.call("GET", "/v1/sessions/h/history", None).await;
+    assert_eq!(history["next_after"], Value::Null);
+    let steps = history["steps"].as_array().unwrap().clone();
+    assert!(steps.len() >= 2, "{history}");
+    let mut paged = Vec::new();
+    let mut path = "/v1/sessions/h/history?limit=1".to_string();
+    for _ in 0..steps.len() + 1 {
+        let (status, page) = served.call("GET", &path, None).await;
+        assert_eq!(status, StatusCode::OK, "{page}");
+        paged.extend(page["steps"].as_array().unwrap().iter().cloned());
+        match page["next_after"].as_i64() {
+            Some(after) => path = format!("/v1/sessions/h/history?limit=1&after={after}"),
+            None => break,
+        }
+    }
+    assert_eq!(paged, steps);
 }

@@ -215,6 +215,20 @@ async fn bad_catalog_requests_get_typed_errors_and_change_nothing() {
             StatusCode::BAD_REQUEST,
             "bad_request",
         ),
+        // A null where the schema has a string or an integer: refused, not
+        // read as absent.
+        (
+            "/v1/agents/Helpdesk/rollback",
+            json!({"role": null}),
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+        ),
+        (
+            "/v1/agents/Helpdesk/activations",
+            json!({"role": "runner", "digest": gates, "ramp": null}),
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+        ),
     ];
     for (path, body, status, code) in cases {
         let (got, answer) = api.post(path, body.clone()).await;

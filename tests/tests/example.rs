@@ -182,9 +182,10 @@ async fn two_environment_variables_switch_the_example_to_an_openai_model() {
 }
 
 /// `dexa component inspect` describes a tool component in the config's own
-/// terms: effects as `read`, not as Rust names.
+/// terms: effects as `read`, not as Rust names; each parameter schema as the
+/// JSON it is (checked at load).
 #[test]
-fn dexa_component_inspect_lists_tools_with_their_effects() {
+fn dexa_component_inspect_lists_tools_with_their_effects_and_schemas() {
     let described =
         dexa_tests::kit::inspect_component("tool", &guests_dir().join("echo-tool.wasm"));
     let echo = described["tools"]
@@ -192,6 +193,10 @@ fn dexa_component_inspect_lists_tools_with_their_effects() {
         .and_then(|tools| tools.iter().find(|t| t["name"] == "echo"))
         .unwrap_or_else(|| panic!("no echo tool in {described}"));
     assert_eq!(echo["effect"], "read");
+    assert_eq!(
+        echo["parameters_schema"],
+        serde_json::json!({"type": "object"})
+    );
     assert_eq!(described["world"], "dex:agents/tool@0.2.0");
     // A Rust guest exports its world and nothing else.
     assert_eq!(described["extra_exports"], serde_json::json!([]));

@@ -9,7 +9,7 @@ use std::time::Duration;
 use dexa::flow::history::{ATTEMPT_FAILED, EXECUTE_COMPLETED, EXECUTE_FAILED, REDELIVERED};
 use dexa::flow::store::{AttemptFailure, FailureAction, StepCommit};
 use dexa::flow::{
-    FlowClient, FlowStatus, FlowStore, Json, MapQuery, NewTask, RetryPolicy, RpcError,
+    FlowClient, FlowCursor, FlowStatus, FlowStore, Json, MapQuery, NewTask, RetryPolicy, RpcError,
     StepHistoryEntry, StoreError, Worker, WorkerOptions,
 };
 use dexa_tests::toy::{
@@ -1682,6 +1682,78 @@ async fn task_counts_count_the_tasks_by_state(factory: &dyn StoreFactory) {
     assert_eq!((counts.ready, counts.waiting, counts.leased), (2, 0, 1));
 }
 
+/// Flows list newest first and Step history oldest first; a page that
+/// starts at the cursor of the one before misses nothing and repeats
+/// nothing, also among flows created in the same millisecond.
+async fn listings_page_by_cursor_without_a_gap_or_a_repeat(factory: &dyn StoreFactory) {
+    let mut stack = Stack::new(factory);
+    for n in 0..9 {
+        let kind = if n % 3 == 0 { "Retry" } else { "Noop" };
+        let input = if kind == "Retry" {
+            json!({"next": "Flaky"})
+        } else {
+            json!({})
+        };
+        stack
+            .client
+            .start_flow(kind, &format!("f{n}"), input)
+            .await
+            .expect("start");
+    }
+    let whole = stack.store.list_flows(None, None, 100).await.expect("list");
+    assert_eq!(whole.len(), 9);
+    assert!(whole
+        .windows(2)
+        .all(|w| (w[0].created_at, &w[1].flow_id) >= (w[1].created_at, &w[0].flow_id)));
+    for (kind, size) in [(None, 2), (None, 4), (Some("Noop"), 2), (Some("Retry"), 1)] {
+        let mut paged = Vec::new();
+        let mut after: Option<FlowCursor> = None;
+        loop {
+            let page = stack
+                .store
+                .list_flows(kind, after.as_ref(), size)
+                .await
+                .expect("page");
+            assert!(page.len() <= size);
+            let Some(last) = page.last() else { break };
+            after = Some(FlowCursor::after(last));
+            paged.extend(page);
+        }
+        let expected: Vec<_> = whole
+            .iter()
+            .filter(|f| kind.is_none_or(|k| f.flow_type == k))
+            .cloned()
+            .collect();
+        assert_eq!(paged, expected, "{kind:?} by {size}");
+    }
+
+    stack.start_worker();
+    stack.wait_status("f0", FlowStatus::Completed).await;
+    let history = stack.history("f0").await;
+    assert!(history.len() >= 4, "{history:?}");
+    let mut paged = Vec::new();
+    let mut after = None;
+    loop {
+        let page = stack
+            .store
+            .step_history_page("f0", after, 2)
+            .await
+            .expect("page");
+        assert!(page.len() <= 2);
+        assert!(page.windows(2).all(|w| w[0].0 < w[1].0), "ids increase");
+        let Some((last, _)) = page.last() else { break };
+        after = Some(*last);
+        paged.extend(page.into_iter().map(|(_, entry)| entry));
+    }
+    assert_eq!(paged, history);
+    assert!(stack
+        .store
+        .step_history_page("nobody", None, 10)
+        .await
+        .expect("page")
+        .is_empty());
+}
+
 macro_rules! backends {
     ($($test:ident),* $(,)?) => {
         mod sqlite {
@@ -1726,4 +1798,5 @@ backends!(
     leases_fence_the_retry_policy,
     a_map_read_pages_by_range_order_limit_and_bytes,
     task_counts_count_the_tasks_by_state,
+    listings_page_by_cursor_without_a_gap_or_a_repeat,
 );

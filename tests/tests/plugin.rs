@@ -1017,3 +1017,46 @@ async fn a_directory_grant_is_the_only_filesystem_a_tool_sees() {
         .expect("bad grant");
     assert!(matches!(err, LoadError::Grant { .. }), "{err:?}");
 }
+
+#[tokio::test]
+async fn a_tool_whose_parameter_schema_is_invalid_is_refused_at_load_with_the_schema_error() {
+    let engine = test_engine();
+    let load = |schema: &str| {
+        let settings = ComponentSettings::named("hostile-tool").with_config(BTreeMap::from([(
+            "parameters_schema".to_string(),
+            schema.to_string(),
+        )]));
+        let engine = engine.clone();
+        async move {
+            engine
+                .load_tool(&guest_bytes("hostile-tool"), settings)
+                .await
+        }
+    };
+    let ok = load(r#"{"type":"object","properties":{"n":{"type":"integer"}}}"#)
+        .await
+        .expect("a valid schema loads");
+    assert!(ok
+        .tools()
+        .iter()
+        .all(|t| t.parameters_schema.contains("integer")));
+    for (schema, says) in [
+        (
+            r#"{"type":"object","properties":{"n":{"type":"integr"}}}"#,
+            "is not a valid JSON Schema: at /properties/n/type",
+        ),
+        ("{\"type\": \"object\"", "is not JSON"),
+        (r#"{"type":"string"}"#, "must describe one JSON object"),
+        (r#"{"properties":{}}"#, "has no \"type\""),
+    ] {
+        let err = match load(schema).await {
+            Ok(_) => panic!("{schema} loaded"),
+            Err(err) => err.to_string(),
+        };
+        assert!(
+            err.contains("component `hostile-tool`: tool `spin`'s parameters schema")
+                && err.contains(says),
+            "{schema}: {err}"
+        );
+    }
+}

@@ -1038,10 +1038,13 @@ async fn a_rejected_approval_records_rejected_and_resolve_interrupt_returns_fals
     sessions.start_session("s1", &turn(json!([{"tool_calls": [tool_call("c1", "echo", json!({}), "non_idempotent_write")]}, {"text": "done"}]))).await.unwrap();
     let interrupt = first_pending_interrupt(&sessions, "s1").await;
     assert_eq!(interrupt.tool_call_id, "c1");
-    assert!(!sessions
+    let unknown = sessions
         .resolve_interrupt("s1", answer("turn-1/nope", true, None))
-        .await
-        .unwrap());
+        .await;
+    assert!(
+        matches!(unknown, Err(SessionError::NoSuchInterrupt { .. })),
+        "never raised: {unknown:?}"
+    );
     let reject = answer(interrupt.interrupt_id.clone(), false, Some("not today"));
     assert!(sessions
         .resolve_interrupt("s1", reject.clone())

@@ -130,6 +130,11 @@ impl From<SessionError> for ApiError {
     fn from(err: SessionError) -> Self {
         match err {
             SessionError::NoSuchSession(_) => Self::not_found(err.to_string()),
+            SessionError::NoSuchInterrupt { .. } => Self::new(
+                StatusCode::NOT_FOUND,
+                "interrupt_not_found",
+                err.to_string(),
+            ),
             SessionError::NotRunning { .. } => {
                 Self::new(StatusCode::CONFLICT, "not_running", err.to_string())
             }

@@ -5,21 +5,30 @@ use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::time::Duration;
 
+use std::sync::Arc;
+use std::time::Instant;
+
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Path, Query, State};
-use axum::http::HeaderMap;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
-use futures_util::Stream;
+use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
+use serde_json::json;
 
 use super::{query, ApiError, ApiState};
-use crate::session::AgentEvent;
+use crate::flow::{FlowInfo, FlowStatus, FlowStore};
+use crate::session::{AgentEvent, AgentSessionClient};
 
 /// How often an SSE stream looks for new events (other processes write them).
 const EVENT_POLL: Duration = Duration::from_millis(50);
 /// How long an event stream whose store pushes appends waits without one
 /// before it reads anyway.
 const EVENT_PUSH_FALLBACK: Duration = Duration::from_secs(2);
+/// How often a stream of a running session looks whether it has ended.
+const STATUS_CHECK: Duration = Duration::from_secs(1);
+/// The SSE event that ends the stream of a session that has ended.
+pub const SESSION_ENDED: &str = "session_ended";
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -32,14 +41,20 @@ pub(super) struct EventsQuery {
 /// The session's events as SSE: `id` is the stream sequence, `event` the
 /// event type, `data` the event as JSON. Reconnecting with `Last-Event-ID`
 /// (or `?after=`) resumes after that event.
+///
+/// When the session has ended (stopped, failed or completed) and every
+/// event is sent, a last `session_ended` event (no `id`; `data` is
+/// `{"session_id", "status", "error"}`) ends the stream. A reconnect (with
+/// `Last-Event-ID`) to an ended session with nothing left to send gets 204,
+/// which tells a browser's `EventSource` to stop reconnecting.
 pub(super) async fn events(
     State(state): State<ApiState>,
     Path(session_id): Path<String>,
     headers: HeaderMap,
     params: Result<Query<EventsQuery>, QueryRejection>,
-) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, ApiError> {
+) -> Result<Response, ApiError> {
     let params = query(params)?;
-    let (sessions, _) = state.session(&session_id).await?;
+    let (sessions, flow) = state.session(&session_id).await?;
     let last_event_id = match headers.get("last-event-id") {
         None => None,
         Some(value) => Some(
@@ -51,69 +66,152 @@ pub(super) async fn events(
         ),
     };
     let after = last_event_id.or(params.after).unwrap_or(0);
-    let stream = futures_util::stream::unfold(
-        (
-            sessions,
-            session_id,
-            after,
-            VecDeque::<(i64, AgentEvent)>::new(),
-        ),
-        |(sessions, session_id, mut after, mut buffered)| async move {
-            loop {
-                if let Some((seq, event)) = buffered.pop_front() {
-                    // Stored types are names; one that is not is sent unnamed
-                    // rather than breaking the stream (Event::event panics on
-                    // a line break).
-                    let named = !event.event_type.is_empty()
-                        && !event.event_type.chars().any(char::is_control);
-                    let sse = Event::default().id(seq.to_string());
-                    let sse = if named {
-                        sse.event(event.event_type.clone())
-                    } else {
-                        sse
-                    };
-                    let sse = match serde_json::to_string(&event) {
-                        Ok(data) => {
-                            ::metrics::counter!(crate::telemetry::EVENT_STREAM_BYTES)
-                                .increment(data.len() as u64);
-                            sse.data(data)
-                        }
-                        Err(_) => Event::default().comment("unencodable event"),
-                    };
-                    return Some((Ok(sse), (sessions, session_id, after, buffered)));
-                }
-                // Armed before the read, so that an append between the read
-                // and the wait still wakes it.
-                let signal = sessions.event_signal(&session_id);
-                let notified = signal.as_ref().map(|signal| signal.notified());
-                tokio::pin!(notified);
-                if let Some(notified) = notified.as_mut().as_pin_mut() {
-                    notified.enable();
-                }
-                match sessions.read_events(&session_id, after, 200).await {
-                    Ok((page, _)) if !page.is_empty() => {
-                        if let Some((last, _)) = page.last() {
-                            after = *last;
-                        }
-                        buffered.extend(page);
+    if last_event_id.is_some() && flow.status != FlowStatus::Running {
+        // The status was read before the events: none can follow these.
+        let (page, next) = sessions.read_events(&session_id, after, 1).await?;
+        if page.is_empty() && next - 1 <= after {
+            return Ok(StatusCode::NO_CONTENT.into_response());
+        }
+    }
+    let tail = Tail {
+        sessions,
+        store: state.deployment.store.clone(),
+        session_id,
+        after,
+        buffered: VecDeque::new(),
+        ended: None,
+        checked: None,
+        done: false,
+    };
+    let stream = futures_util::stream::unfold(tail, |mut tail| async move {
+        let event = tail.next().await?;
+        Some((Ok::<_, Infallible>(event), tail))
+    });
+    Ok(Sse::new(stream)
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+        .into_response())
+}
+
+/// Where one SSE stream stands.
+struct Tail {
+    sessions: AgentSessionClient,
+    store: Arc<dyn FlowStore>,
+    session_id: String,
+    /// The last event sent (or skipped).
+    after: i64,
+    buffered: VecDeque<(i64, AgentEvent)>,
+    /// The session as last seen once it had ended (an ended session never
+    /// runs again).
+    ended: Option<FlowInfo>,
+    /// When the status was last read.
+    checked: Option<Instant>,
+    /// `session_ended` is sent.
+    done: bool,
+}
+
+impl Tail {
+    /// The next SSE event; none ends the stream.
+    async fn next(&mut self) -> Option<Event> {
+        if self.done {
+            return None;
+        }
+        loop {
+            if let Some((seq, event)) = self.buffered.pop_front() {
+                return Some(sse_event(seq, &event));
+            }
+            let signal = self.sessions.event_signal(&self.session_id);
+            // Read before the events: an event appended before the session
+            // ended is then in the read below, so an empty read after an
+            // ended status means nothing more comes. A pushed stream wakes
+            // only on an append, a stop or its fallback pause, so it looks
+            // each time; a polled one at most once per STATUS_CHECK.
+            self.check_status(signal.is_some()).await;
+            // Armed before the read, so that an append between the read and
+            // the wait still wakes it.
+            let notified = signal.as_ref().map(|signal| signal.notified());
+            tokio::pin!(notified);
+            if let Some(notified) = notified.as_mut().as_pin_mut() {
+                notified.enable();
+            }
+            match self
+                .sessions
+                .read_events(&self.session_id, self.after, 200)
+                .await
+            {
+                Ok((page, _)) if !page.is_empty() => {
+                    if let Some((last, _)) = page.last() {
+                        self.after = *last;
                     }
-                    // A page of only unreadable events: step over it.
-                    Ok((_, next)) if next - 1 > after => after = next - 1,
-                    Ok(_) => match notified.as_mut().as_pin_mut() {
-                        // Pushed: the next append wakes it; the long pause
-                        // only covers a notification lost in a reconnect.
+                    self.buffered.extend(page);
+                }
+                // A page of only unreadable events: step over it.
+                Ok((_, next)) if next - 1 > self.after => self.after = next - 1,
+                Ok(_) => {
+                    if let Some(flow) = &self.ended {
+                        self.done = true;
+                        return Some(ended_event(flow));
+                    }
+                    match notified.as_mut().as_pin_mut() {
+                        // Pushed: the next append (or a stop through this
+                        // API) wakes it; the long pause covers a notification
+                        // lost in a reconnect and a stop by another process.
                         Some(notified) => {
                             let _ = tokio::time::timeout(EVENT_PUSH_FALLBACK, notified).await;
                         }
                         None => tokio::time::sleep(EVENT_POLL).await,
-                    },
-                    Err(err) => {
-                        tracing::warn!(session_id, error = %err, "event stream ended");
-                        return None;
                     }
                 }
+                Err(err) => {
+                    tracing::warn!(session_id = self.session_id, error = %err, "event stream ended");
+                    return None;
+                }
             }
-        },
-    );
-    Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))))
+        }
+    }
+
+    /// Reads the session's status until it has ended; unless `always`, at
+    /// most once per [`STATUS_CHECK`]. A failed read is left to the next
+    /// one: the event read reports a store that is down.
+    async fn check_status(&mut self, always: bool) {
+        let recent = self.checked.is_some_and(|at| at.elapsed() < STATUS_CHECK);
+        if self.ended.is_some() || (recent && !always) {
+            return;
+        }
+        self.checked = Some(Instant::now());
+        if let Ok(Some(flow)) = self.store.flow(&self.session_id).await {
+            if flow.status != FlowStatus::Running {
+                self.ended = Some(flow);
+            }
+        }
+    }
+}
+
+/// One stored event as SSE.
+fn sse_event(seq: i64, event: &AgentEvent) -> Event {
+    // Stored types are names; one that is not is sent unnamed rather than
+    // breaking the stream (Event::event panics on a line break).
+    let named = !event.event_type.is_empty() && !event.event_type.chars().any(char::is_control);
+    let sse = Event::default().id(seq.to_string());
+    let sse = if named {
+        sse.event(event.event_type.clone())
+    } else {
+        sse
+    };
+    match serde_json::to_string(event) {
+        Ok(data) => {
+            ::metrics::counter!(crate::telemetry::EVENT_STREAM_BYTES).increment(data.len() as u64);
+            sse.data(data)
+        }
+        Err(_) => Event::default().comment("unencodable event"),
+    }
+}
+
+/// The last event of an ended session's stream.
+fn ended_event(flow: &FlowInfo) -> Event {
+    let data = json!({
+        "session_id": flow.flow_id,
+        "status": flow.status.as_str(),
+        "error": flow.error,
+    });
+    Event::default().event(SESSION_ENDED).data(data.to_string())
 }

@@ -141,8 +141,9 @@ pub(super) async fn cancel_turn(
 pub(super) struct MessagesQuery {
     #[serde(default)]
     after_sequence: Option<u64>,
+    /// Clamped to 1..=200, as the spec says.
     #[serde(default)]
-    limit: Option<u32>,
+    limit: Option<i64>,
 }
 
 pub(super) async fn list_messages(
@@ -157,7 +158,9 @@ pub(super) async fn list_messages(
             &session_id,
             ListAgentMessagesRequest {
                 after_sequence: params.after_sequence,
-                limit: params.limit.unwrap_or(50),
+                // Clamped here to the u32 the request takes; the client
+                // clamps it to its page size.
+                limit: params.limit.unwrap_or(50).clamp(1, i64::from(u32::MAX)) as u32,
             },
         )
         .await?;

@@ -11,6 +11,7 @@ pub mod listener;
 mod messages;
 pub mod metrics;
 pub mod openapi;
+mod pages;
 mod ready;
 pub mod request_log;
 mod versions;
@@ -37,7 +38,8 @@ use crate::flow::FlowInfo;
 use crate::session::{new_session_id, AgentSessionClient, ResolveInterruptRequest};
 
 /// Longest accepted session id.
-const MAX_SESSION_ID: usize = 200;
+pub const MAX_SESSION_ID: usize = 200;
+pub use pages::{MAX_HISTORY_PAGE, MAX_SESSION_PAGE};
 /// The largest request body, in bytes; a larger one gets a typed 413
 /// (`payload_too_large`) and nothing is done. It holds any JSON encoding of
 /// a user message at the session client's cap
@@ -96,7 +98,7 @@ pub fn router(state: ApiState) -> Router {
     let api = Router::new()
         .route("/v1/agents", get(list_agents))
         .route("/v1/agents/{agent}/sessions", post(start_session))
-        .route("/v1/sessions", get(list_sessions))
+        .route("/v1/sessions", get(pages::list_sessions))
         .route("/v1/sessions/{session_id}", get(get_snapshot))
         .route(
             "/v1/sessions/{session_id}/messages",
@@ -111,7 +113,10 @@ pub fn router(state: ApiState) -> Router {
             post(messages::cancel_turn),
         )
         .route("/v1/sessions/{session_id}/stop", post(stop_session))
-        .route("/v1/sessions/{session_id}/history", get(step_history))
+        .route(
+            "/v1/sessions/{session_id}/history",
+            get(pages::step_history),
+        )
         .route("/v1/sessions/{session_id}/events", get(events::events))
         .route("/metrics", get(metrics::metrics_text))
         .merge(versions::routes())
@@ -223,6 +228,16 @@ fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
     Ok(Some(key.to_string()))
 }
 
+/// For an optional body field: absent is `None`, but `null` is refused as
+/// the wrong type (the schema does not allow it), not read as absent.
+pub(crate) fn not_null<'de, D, T>(deserializer: D) -> Result<Option<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    T::deserialize(deserializer).map(Some)
+}
+
 fn query<T>(params: Result<Query<T>, QueryRejection>) -> Result<T, ApiError> {
     params
         .map(|Query(value)| value)
@@ -278,7 +293,7 @@ async fn list_agents(State(state): State<ApiState>) -> Json<Value> {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct StartSessionBody {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "not_null")]
     session_id: Option<String>,
     /// Blank starts no turn.
     #[serde(default)]
@@ -322,42 +337,6 @@ async fn start_session(
     ))
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ListSessionsQuery {
-    #[serde(default)]
-    agent: Option<String>,
-    #[serde(default)]
-    limit: Option<usize>,
-}
-
-async fn list_sessions(
-    State(state): State<ApiState>,
-    params: Result<Query<ListSessionsQuery>, QueryRejection>,
-) -> Result<Json<Value>, ApiError> {
-    let params = query(params)?;
-    if let Some(agent) = &params.agent {
-        state.agent(agent)?;
-    }
-    let limit = params.limit.unwrap_or(100).clamp(1, 1000);
-    let flows = state
-        .deployment
-        .store
-        .list_flows(params.agent.as_deref(), limit)
-        .await?;
-    let sessions: Vec<Value> = flows
-        .into_iter()
-        .filter(|f| state.deployment.config.agents.contains_key(&f.flow_type))
-        .map(|f| {
-            json!({
-                "session_id": f.flow_id, "agent": f.flow_type, "status": f.status,
-                "created_at": f.created_at, "updated_at": f.updated_at, "error": f.error,
-            })
-        })
-        .collect();
-    Ok(Json(json!({ "sessions": sessions })))
-}
-
 async fn get_snapshot(
     State(state): State<ApiState>,
     Path(session_id): Path<String>,
@@ -387,14 +366,9 @@ async fn stop_session(
 ) -> Result<Json<Value>, ApiError> {
     let (sessions, _) = state.session(&session_id).await?;
     let stopped = sessions.stop_session(&session_id).await?;
+    // Wakes this process's event streams of the session, which then end.
+    if let Some(signal) = sessions.event_signal(&session_id) {
+        signal.notify_waiters();
+    }
     Ok(Json(json!({ "stopped": stopped })))
-}
-
-async fn step_history(
-    State(state): State<ApiState>,
-    Path(session_id): Path<String>,
-) -> Result<Json<Value>, ApiError> {
-    state.session(&session_id).await?;
-    let steps = state.deployment.store.step_history(&session_id).await?;
-    Ok(Json(json!({ "steps": steps })))
 }

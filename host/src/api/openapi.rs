@@ -3,8 +3,10 @@
 
 use serde_json::{json, Value};
 
+use super::{MAX_HISTORY_PAGE, MAX_SESSION_ID, MAX_SESSION_PAGE};
 use crate::session::{
-    MAX_IDEMPOTENCY_KEYS, MAX_IDEMPOTENCY_KEY_BYTES, MAX_TURN_WAIT, MAX_USER_MESSAGE_BYTES,
+    MAX_IDEMPOTENCY_KEYS, MAX_IDEMPOTENCY_KEY_BYTES, MAX_MESSAGE_PAGE, MAX_TURN_WAIT,
+    MAX_USER_MESSAGE_BYTES,
 };
 
 fn error_responses(codes: &[u16]) -> Value {
@@ -13,7 +15,7 @@ fn error_responses(codes: &[u16]) -> Value {
         let description = match code {
             400 => "Bad input: the body, a query parameter or a header is invalid",
             401 => "No valid bearer token",
-            404 => "No such agent or session",
+            404 => "No such agent or session (`not_found`), or no such interrupt on the session (`interrupt_not_found`)",
             409 => "Conflict: the session exists, is not running, or a Step holds a lock",
             413 => "Too large: the request body is over the server's limit (`payload_too_large`), or the user message over the session's cap (`message_too_large`); nothing was queued or started",
             415 => "The body is not sent as JSON (`unsupported_media_type`): send `content-type: application/json`",
@@ -68,10 +70,11 @@ pub fn document() -> Value {
                 "responses": with_errors(json!({"201": json_ok("Started", "SessionStarted")}), &[400, 401, 404, 409, 413, 415])
             }},
             "/v1/sessions": {"get": {
-                "operationId": "listSessions", "summary": "Sessions, newest first",
+                "operationId": "listSessions", "summary": "Sessions, newest first, paged by cursor",
                 "parameters": [
                     {"name": "agent", "in": "query", "schema": {"type": "string"}},
-                    {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 1000, "default": 100}}
+                    {"name": "cursor", "in": "query", "description": "The `next_cursor` of the page before, as it was given; another is a 400 `invalid_cursor`", "schema": {"type": "string"}},
+                    {"name": "limit", "in": "query", "description": format!("How many sessions; clamped to 1..{MAX_SESSION_PAGE} (0 lists one, a larger one lists {MAX_SESSION_PAGE})"), "schema": {"type": "integer", "default": 100}}
                 ],
                 "responses": with_errors(json!({"200": json_ok("Sessions", "SessionList")}), &[400, 401, 404])
             }},
@@ -86,7 +89,7 @@ pub fn document() -> Value {
                     "parameters": [
                         session_param(),
                         {"name": "after_sequence", "in": "query", "schema": {"type": "integer", "minimum": 0}},
-                        {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 200, "default": 50}}
+                        {"name": "limit", "in": "query", "description": format!("How many messages; clamped to 1..{MAX_MESSAGE_PAGE}, as the spec says"), "schema": {"type": "integer", "default": 50}}
                     ],
                     "responses": with_errors(json!({"200": json_ok("A page", "AgentMessagesPage")}), &[400, 401, 404])
                 },
@@ -124,6 +127,7 @@ pub fn document() -> Value {
                 "operationId": "resolveInterrupt", "summary": "Approve or reject a pending tool call",
                 "parameters": [session_param()],
                 "requestBody": json_body("ResolveInterrupt"),
+                "description": "`resolved` is false when the interrupt is no longer pending (answered before, or expired) or the session is not running; an interrupt the session never raised is a 404 `interrupt_not_found`.",
                 "responses": with_errors(json!({"200": json_ok("Whether it was pending and is now resolved", "Resolved")}), &[400, 401, 404, 409, 413, 415])
             }},
             "/v1/sessions/{session_id}/turn/cancel": {"post": {
@@ -138,8 +142,10 @@ pub fn document() -> Value {
                 "responses": with_errors(json!({"200": json_ok("Whether it was running", "Stopped")}), &[401, 404])
             }},
             "/v1/sessions/{session_id}/history": {"get": {
-                "operationId": "getStepHistory", "summary": "Completed and failed Steps, oldest first",
-                "parameters": [session_param()],
+                "operationId": "getStepHistory", "summary": "Completed and failed Steps, oldest first, paged by cursor",
+                "parameters": [session_param(),
+                    {"name": "after", "in": "query", "description": "The `next_after` of the page before", "schema": {"type": "integer"}},
+                    {"name": "limit", "in": "query", "description": format!("How many entries; clamped to 1..{MAX_HISTORY_PAGE}"), "schema": {"type": "integer", "default": MAX_HISTORY_PAGE}}],
                 "responses": with_errors(json!({"200": json_ok("The Step history", "StepHistory")}), &[401, 404])
             }},
             "/v1/components": {
@@ -181,12 +187,16 @@ pub fn document() -> Value {
             "/v1/sessions/{session_id}/events": {"get": {
                 "operationId": "streamEvents",
                 "summary": "Server-Sent Events: id is the event's sequence, event its type, data the AgentEvent; resume with Last-Event-ID",
+                "description": "Once the session has ended (stopped, failed or completed) and every event is sent, a last event named `session_ended`, with no id and data `SessionEnded`, ends the stream. A reconnect with `Last-Event-ID` to an ended session with nothing left to send is answered 204, which tells a browser's EventSource to stop reconnecting.",
                 "parameters": [
                     session_param(),
                     {"name": "Last-Event-ID", "in": "header", "schema": {"type": "integer"}},
                     {"name": "after", "in": "query", "schema": {"type": "integer"}}
                 ],
-                "responses": with_errors(json!({"200": {"description": "An endless event stream", "content": {"text/event-stream": {"schema": {"$ref": "#/components/schemas/AgentEvent"}}}}}), &[400, 401, 404])
+                "responses": with_errors(json!({
+                    "200": {"description": "The event stream; it ends only after `session_ended`", "content": {"text/event-stream": {"schema": {"$ref": "#/components/schemas/AgentEvent"}}}},
+                    "204": {"description": "A reconnect to an ended session with nothing left to send"}
+                }), &[400, 401, 404])
             }}
         },
         "components": {
@@ -199,18 +209,21 @@ pub fn document() -> Value {
 fn schemas() -> Value {
     json!({
         "Error": {"type": "object", "required": ["error"], "properties": {"error": {"type": "object", "required": ["code", "message"], "properties": {
-            "code": {"type": "string", "enum": ["bad_request", "unauthorized", "not_found", "already_exists", "conflict", "not_running", "busy", "method_not_allowed", "store_unavailable", "internal", "payload_too_large", "unsupported_media_type", "message_too_large", "invalid_idempotency_key", "idempotency_key_reused", "activation_refused", "nothing_to_roll_back", "activation_log_moved"]},
+            "code": {"type": "string", "enum": ["bad_request", "unauthorized", "not_found", "already_exists", "conflict", "not_running", "busy", "method_not_allowed", "store_unavailable", "internal", "payload_too_large", "unsupported_media_type", "message_too_large", "invalid_idempotency_key", "idempotency_key_reused", "activation_refused", "nothing_to_roll_back", "activation_log_moved", "interrupt_not_found", "invalid_cursor"]},
             "message": {"type": "string"}}}}},
         "AgentList": {"type": "object", "properties": {"agents": {"type": "array", "items": {"type": "object", "properties": {
             "name": {"type": "string"}, "runner": {"type": "string"}, "tool_components": {"type": "array", "items": {"type": "string"}}, "model": {"type": ["string", "null"]}}}}}},
-        "StartSession": {"type": "object", "properties": {"session_id": {"type": "string", "description": "Generated when absent"}, "message": {"type": "string", "description": format!("At most {MAX_USER_MESSAGE_BYTES} bytes of UTF-8")}}, "additionalProperties": false},
+        "StartSession": {"type": "object", "properties": {"session_id": {"type": "string", "minLength": 1, "maxLength": MAX_SESSION_ID, "pattern": "\\S",
+            "description": format!("Generated when absent. 1 to {MAX_SESSION_ID} bytes of UTF-8, not blank, no control characters; another is a 400 (null too)")}, "message": {"type": "string", "description": format!("At most {MAX_USER_MESSAGE_BYTES} bytes of UTF-8")}}, "additionalProperties": false},
         "SessionStarted": {"type": "object", "properties": {"session_id": {"type": "string"}, "agent": {"type": "string"}}},
-        "SessionList": {"type": "object", "properties": {"sessions": {"type": "array", "items": {"type": "object", "properties": {
+        "SessionList": {"type": "object", "required": ["sessions", "next_cursor"], "properties": {
+            "next_cursor": {"type": ["string", "null"], "description": "Pass as `cursor` for the next page; null on the last page"},
+            "sessions": {"type": "array", "items": {"type": "object", "required": ["session_id", "agent", "status", "created_at", "updated_at", "error"], "properties": {
             "session_id": {"type": "string"}, "agent": {"type": "string"}, "status": {"$ref": "#/components/schemas/FlowStatus"},
             "created_at": {"type": "integer"}, "updated_at": {"type": "integer"}, "error": {"type": ["string", "null"]}}}}}},
         "FlowStatus": {"type": "string", "enum": ["running", "completed", "failed", "stopped"]},
         "SendMessage": {"type": "object", "required": ["text"], "properties": {
-            "text": {"type": "string", "description": format!("At most {MAX_USER_MESSAGE_BYTES} bytes of UTF-8")},
+            "text": {"type": "string", "minLength": 1, "pattern": "\\S", "description": format!("At most {MAX_USER_MESSAGE_BYTES} bytes of UTF-8; a blank text is a 400 and nothing is queued")},
             "interrupt": {"type": "boolean", "default": false, "description": "Steer: cancel the running turn (as /turn/cancel does) and start the next turn with this message, ahead of the queue; with no turn running it is queued as usual"}},
             "additionalProperties": false},
         "TurnCancel": {"type": "object", "required": ["cancelled"], "properties": {
@@ -252,7 +265,9 @@ fn schemas() -> Value {
             "pending_interrupts": {"type": "array", "items": {"type": "object"}},
             "tool_calls": {"type": "array", "items": {"$ref": "#/components/schemas/AgentToolCall"}},
             "usage": {"type": "object"}, "queued_message_count": {"type": "integer"}}},
-        "StepHistory": {"type": "object", "properties": {"steps": {"type": "array", "items": {"type": "object", "properties": {
+        "StepHistory": {"type": "object", "required": ["steps", "next_after"], "properties": {
+            "next_after": {"type": ["integer", "null"], "description": "Pass as `after` for the next page; null on the last page"},
+            "steps": {"type": "array", "items": {"type": "object", "properties": {
             "event_type": {"type": "string", "enum": ["execute_completed", "attempt_failed", "execute_failed", "redelivered"]},
             "step_type": {"type": "string"}, "step_execution_id": {"type": "string"}, "final_attempt": {"type": "integer"},
             "at": {"type": "integer", "description": "when the reported attempt ended (ms)"},
@@ -285,6 +300,8 @@ fn schemas() -> Value {
         "Rollback": {"type": "object", "additionalProperties": false, "properties": {
             "role": {"type": "string", "description": "`runner` (default) or a tool component's name"},
             "upgrade_in_flight": {"type": "boolean"}, "reason": {"type": "string"}}},
+        "SessionEnded": {"type": "object", "required": ["session_id", "status", "error"], "properties": {
+            "session_id": {"type": "string"}, "status": {"$ref": "#/components/schemas/FlowStatus"}, "error": {"type": ["string", "null"]}}},
         "AgentEvent": {"type": "object", "properties": {
             "type": {"type": "string"}, "turn_id": {"type": "string"}, "step_execution_id": {"type": "string"}, "attempt": {"type": "integer"}, "data": {"type": "object"}}}
     })

@@ -142,7 +142,7 @@ pub struct ActivateBody {
     /// The version, already uploaded.
     pub digest: String,
     /// Send this percent of sessions (1-99) to it; absent: every new turn.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "super::not_null")]
     pub ramp: Option<u8>,
     #[serde(default)]
     pub upgrade_in_flight: bool,
@@ -210,7 +210,7 @@ async fn activate_version(
 #[serde(deny_unknown_fields)]
 pub struct RollbackBody {
     /// `runner` (the default) or a tool component's name.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "super::not_null")]
     pub role: Option<String>,
     #[serde(default)]
     pub upgrade_in_flight: bool,

@@ -244,7 +244,7 @@ async fn run_one(
     let mut sorted = latencies.lock().map(|l| l.clone()).unwrap_or_default();
     sorted.sort();
     let unfinished = client_store
-        .list_flows(Some("BenchNoop"), args.flows)
+        .list_flows(Some("BenchNoop"), None, args.flows)
         .await?
         .into_iter()
         .filter(|f| f.status != FlowStatus::Completed)

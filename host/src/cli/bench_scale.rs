@@ -212,7 +212,7 @@ async fn run_one(
     loop {
         let flows = bench
             .store
-            .list_flows(Some("BenchSleep"), args.flows + workers * args.slots)
+            .list_flows(Some("BenchSleep"), None, args.flows + workers * args.slots)
             .await?;
         let done = flows
             .iter()

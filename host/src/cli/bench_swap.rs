@@ -303,7 +303,11 @@ async fn first_use(
     activations: &[(StoreMillis, String)],
 ) -> anyhow::Result<Vec<Duration>> {
     let mut starts: Vec<(StoreMillis, String)> = Vec::new();
-    for flow in deployment.store.list_flows(Some(AGENT), usize::MAX).await? {
+    for flow in deployment
+        .store
+        .list_flows(Some(AGENT), None, usize::MAX)
+        .await?
+    {
         for entry in deployment.store.step_history(&flow.flow_id).await? {
             if entry.step_type != step::AWAIT_USER_MESSAGE {
                 continue;

@@ -297,9 +297,13 @@ async fn inspect(args: InspectArgs) -> anyhow::Result<()> {
                 .tools()
                 .iter()
                 .map(|t| {
+                    // Checked at load, so it parses; shown as the JSON it is.
+                    let schema = serde_json::from_str::<serde_json::Value>(&t.parameters_schema)
+                        .unwrap_or_else(|_| serde_json::Value::String(t.parameters_schema.clone()));
                     serde_json::json!({
                         "name": t.name, "description": t.description,
                         "effect": t.effect.map(|e| crate::session::ToolEffect::from(e).as_str()),
+                        "parameters_schema": schema,
                     })
                 })
                 .collect();

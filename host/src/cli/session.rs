@@ -255,7 +255,7 @@ pub async fn run(args: SessionArgs) -> anyhow::Result<()> {
             }
             let flows = deployment
                 .store
-                .list_flows(agent.as_deref(), limit.clamp(1, 1000))
+                .list_flows(agent.as_deref(), None, limit.clamp(1, 1000))
                 .await?;
             let value = serde_json::to_value(&flows)?;
             let mut text = String::new();
@@ -423,7 +423,7 @@ async fn answer(
         )
         .await?;
     if !resolved {
-        bail!("{interrupt_id} is not pending (already answered, expired or unknown)");
+        bail!("{interrupt_id} is no longer pending (already answered, or expired)");
     }
     print(
         json!({"resolved": true, "interrupt_id": interrupt_id}),

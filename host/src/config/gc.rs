@@ -36,7 +36,7 @@ pub async fn pinned_versions(
     store: &dyn FlowStore,
 ) -> Result<BTreeMap<String, String>, StoreError> {
     let mut pinned = BTreeMap::new();
-    for flow in store.list_flows(None, usize::MAX).await? {
+    for flow in store.list_flows(None, None, usize::MAX).await? {
         if flow.status != FlowStatus::Running {
             continue;
         }

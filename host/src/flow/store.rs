@@ -8,8 +8,8 @@ use async_trait::async_trait;
 use tokio::sync::Notify;
 
 use super::types::{
-    ClaimedTask, FlowInfo, FlowStatus, Json, MapQuery, NewTask, StateWrite, StepHistoryEntry,
-    StoreMillis, StreamPage, TakenTask, TaskCounts, Versioned,
+    ClaimedTask, FlowCursor, FlowInfo, FlowStatus, Json, MapQuery, NewTask, StateWrite,
+    StepHistoryEntry, StoreMillis, StreamPage, TakenTask, TaskCounts, Versioned,
 };
 
 /// Why a store operation failed.
@@ -231,9 +231,13 @@ pub trait FlowStore: Send + Sync + 'static {
     /// How many tasks are in each state, over all flows (the queue depth
     /// `/metrics` shows). A scan of the tasks: for scrapes, not hot paths.
     async fn task_counts(&self) -> Result<TaskCounts, StoreError>;
+    /// Flows newest first (ties by id), of `flow_type` if given, after
+    /// `after` (the cursor of the last flow of the page before), at most
+    /// `limit`.
     async fn list_flows(
         &self,
         flow_type: Option<&str>,
+        after: Option<&FlowCursor>,
         limit: usize,
     ) -> Result<Vec<FlowInfo>, StoreError>;
     /// Stops a running flow and drops its tasks; its state stays readable.
@@ -351,7 +355,21 @@ pub trait FlowStore: Send + Sync + 'static {
         capacity_bytes: u64,
     ) -> Result<(), StoreError>;
 
-    async fn step_history(&self, flow_id: &str) -> Result<Vec<StepHistoryEntry>, StoreError>;
+    /// The flow's whole Step history, oldest first.
+    async fn step_history(&self, flow_id: &str) -> Result<Vec<StepHistoryEntry>, StoreError> {
+        let page = self.step_history_page(flow_id, None, usize::MAX).await?;
+        Ok(page.into_iter().map(|(_, entry)| entry).collect())
+    }
+
+    /// At most `limit` entries of the flow's Step history after entry id
+    /// `after`, oldest first, each with its entry id (increasing; the last
+    /// is the cursor of the next page).
+    async fn step_history_page(
+        &self,
+        flow_id: &str,
+        after: Option<i64>,
+        limit: usize,
+    ) -> Result<Vec<(i64, StepHistoryEntry)>, StoreError>;
 
     /// Runs `body` in one transaction on `flow_id`'s state.
     async fn rpc(&self, flow_id: &str, body: RpcBody) -> Result<Box<dyn Any + Send>, RpcError>;

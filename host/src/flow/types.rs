@@ -479,6 +479,26 @@ pub struct FlowInfo {
     pub error: Option<String>,
 }
 
+/// Where a page of [`FlowStore::list_flows`] ends: the next page starts
+/// after this flow, in the listing's order (newest first, ties by id).
+///
+/// [`FlowStore::list_flows`]: super::FlowStore::list_flows
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FlowCursor {
+    pub created_at: StoreMillis,
+    pub flow_id: String,
+}
+
+impl FlowCursor {
+    /// The cursor after `flow`.
+    pub fn after(flow: &FlowInfo) -> Self {
+        Self {
+            created_at: flow.created_at,
+            flow_id: flow.flow_id.clone(),
+        }
+    }
+}
+
 /// A stored value with its version (1 on first write).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Versioned {

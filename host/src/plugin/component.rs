@@ -24,6 +24,7 @@ use super::factors::step::StepTag;
 use super::grants::Grants;
 use super::guest_pool;
 use super::limits::ComponentLimits;
+use super::tool_schema;
 
 /// How the operator set up one component.
 #[derive(Clone, Debug, Default)]
@@ -277,9 +278,20 @@ impl SandboxEngine {
             .list_tools(env)
             .await
             .map_err(|source| LoadError::ListTools {
-                name,
+                name: name.clone(),
                 source: Box::new(source),
             })?;
+        // A schema the model could not use is refused here, by tool and
+        // reason, not found out at the first turn (or sent as another).
+        for spec in &tool.tools {
+            tool_schema::check(&spec.parameters_schema).map_err(|source| {
+                LoadError::ToolSchema {
+                    name: name.clone(),
+                    tool: spec.name.clone(),
+                    source,
+                }
+            })?;
+        }
         Ok(tool)
     }
 

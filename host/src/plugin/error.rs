@@ -49,6 +49,13 @@ pub enum LoadError {
         #[source]
         source: Box<CallError>,
     },
+    #[error("component `{name}`: tool `{tool}`'s parameters schema {source}")]
+    ToolSchema {
+        name: String,
+        tool: String,
+        #[source]
+        source: super::tool_schema::SchemaError,
+    },
 }
 
 /// Why a call into a guest produced no result. The guest's own `result`

@@ -8,6 +8,7 @@
 //! - [`Grants`] and [`ComponentLimits`]: what a component may reach and use.
 //! - `guest_pool`: long calls move to lower-priority threads.
 //! - `boundary`: the byte caps on what a guest returns.
+//! - [`tool_schema`]: the check of each tool's parameter schema at load.
 
 pub mod bindings;
 mod boundary;
@@ -21,6 +22,7 @@ pub mod grant_paths;
 pub mod grants;
 mod guest_pool;
 mod limits;
+pub mod tool_schema;
 mod wit_version;
 
 pub use bindings::wit;

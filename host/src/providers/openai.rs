@@ -347,7 +347,8 @@ pub fn request_body(config: &OpenAiConfig, request: &ModelRequest) -> Value {
             .tools
             .iter()
             .map(|tool| {
-                // A schema that is not JSON is sent as an open object.
+                // Every tool's schema was checked at load (see
+                // `plugin::tool_schema`); a fake provider's may not be.
                 let parameters: Value = serde_json::from_str(&tool.parameters_schema)
                     .unwrap_or_else(|_| json!({"type": "object"}));
                 json!({

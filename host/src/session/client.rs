@@ -17,6 +17,13 @@ use super::records::*;
 pub enum SessionError {
     #[error("session {0:?} does not exist")]
     NoSuchSession(String),
+    /// The session never raised this interrupt (an answered or expired one
+    /// is `Ok(false)` instead).
+    #[error("session {session_id:?} has no interrupt {interrupt_id:?}")]
+    NoSuchInterrupt {
+        session_id: String,
+        interrupt_id: String,
+    },
     #[error("session {session_id:?} is {status}; it takes no more messages")]
     NotRunning { session_id: String, status: String },
     /// A user message over the client's cap ([`MAX_USER_MESSAGE_BYTES`] by
@@ -51,6 +58,13 @@ pub enum SessionError {
     Flow(#[from] FlowError),
     #[error(transparent)]
     Rpc(#[from] RpcError),
+}
+
+/// What `resolve_interrupt` found.
+enum Resolution {
+    Resolved,
+    NotPending,
+    Unknown,
 }
 
 /// Runs the session RPCs of one agent (flow type).
@@ -481,28 +495,44 @@ impl AgentSessionClient {
         outcome
     }
 
-    /// Answers a pending interrupt. False when it is not pending (already
-    /// answered, expired, or unknown) or past its deadline. Lock conflicts
-    /// with a running approval Step are retried for up to 5 s.
+    /// Answers a pending interrupt. False when it is no longer pending
+    /// (already answered or expired), past its deadline, or the session is
+    /// not running; [`SessionError::NoSuchInterrupt`] when the session never
+    /// raised it. Lock conflicts with a running approval Step are retried
+    /// for up to 5 s.
     pub async fn resolve_interrupt(
         &self,
         session_id: &str,
         request: ResolveInterruptRequest,
     ) -> Result<bool, SessionError> {
+        let interrupt_id = request.interrupt_id.clone();
         let resolved = self
             .client
             .rpc(session_id, move |tx| {
+                let id = &request.interrupt_id;
+                // Pending, or raised before: a session stored before
+                // RAISED_INTERRUPTS existed still has its pending ones.
+                let known = |tx: &mut dyn StateTx| -> Result<Resolution, RpcError> {
+                    let raised = tx.get(PENDING_INTERRUPTS, id)?.is_some()
+                        || tx.get(RAISED_INTERRUPTS, id)?.is_some();
+                    Ok(if raised {
+                        Resolution::NotPending
+                    } else {
+                        Resolution::Unknown
+                    })
+                };
                 match tx.flow()? {
                     Some(flow) if flow.status == FlowStatus::Running => {}
-                    _ => return Ok(false),
+                    Some(_) => return known(tx),
+                    None => return Ok(Resolution::Unknown),
                 }
                 tx.lock(PENDING_INTERRUPTS)?;
-                let Some(value) = tx.get(PENDING_INTERRUPTS, &request.interrupt_id)? else {
-                    return Ok(false);
+                let Some(value) = tx.get(PENDING_INTERRUPTS, id)? else {
+                    return known(tx);
                 };
                 let interrupt: AgentInterrupt = decode("a pending interrupt", value.value)?;
                 if interrupt.deadline.is_some_and(|at| tx.now() >= at) {
-                    return Ok(false);
+                    return Ok(Resolution::NotPending);
                 }
                 let answer = AgentInterruptResolution {
                     approved: request.approved,
@@ -519,10 +549,17 @@ impl AgentSessionClient {
                     &request.interrupt_id,
                     to_json("an interrupt resolution", &answer)?,
                 )?;
-                Ok(true)
+                Ok(Resolution::Resolved)
             })
             .await?;
-        Ok(resolved)
+        match resolved {
+            Resolution::Resolved => Ok(true),
+            Resolution::NotPending => Ok(false),
+            Resolution::Unknown => Err(SessionError::NoSuchInterrupt {
+                session_id: session_id.to_string(),
+                interrupt_id,
+            }),
+        }
     }
 
     /// The session as a UI draws it. Stopped sessions are served too. A

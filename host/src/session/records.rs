@@ -19,6 +19,10 @@ pub const AGENT_TOOL_CALLS: &str = "AGENT_TOOL_CALLS";
 /// one Attribute; one key per interrupt lets parallel approval Steps each
 /// remove their own without overwriting the others.
 pub const PENDING_INTERRUPTS: &str = "PENDING_INTERRUPTS";
+/// AttributeMap: every interrupt the session raised, by interrupt id (the
+/// value names its turn), kept after it is answered or expires: it tells an
+/// unknown interrupt id from one that is no longer pending.
+pub const RAISED_INTERRUPTS: &str = "RAISED_INTERRUPTS";
 /// AttributeMap: [`AgentCompaction`] by [`message_sequence_key`] of the
 /// sequence it summarizes through; the newest is the greatest key.
 pub const AGENT_COMPACTIONS: &str = "AGENT_COMPACTIONS";

@@ -27,7 +27,9 @@ fn spec(name: &str, description: &str) -> ToolSpec {
     ToolSpec {
         name: name.to_string(),
         description: description.to_string(),
-        parameters_schema: r#"{"type":"object"}"#.to_string(),
+        // A test may hand the host a bad schema to refuse.
+        parameters_schema: config::get("parameters_schema")
+            .unwrap_or_else(|| r#"{"type":"object"}"#.to_string()),
         effect: Some(ToolEffect::Read),
     }
 }

@@ -343,6 +343,11 @@ impl SessionSteps {
                                     &interrupt.interrupt_id,
                                     to_json(&interrupt),
                                 )
+                                .set_entry(
+                                    RAISED_INTERRUPTS,
+                                    &interrupt.interrupt_id,
+                                    json!({"turn_id": interrupt.turn_id}),
+                                )
                                 .append(
                                     AGENT_EVENTS,
                                     session_event(

@@ -4,7 +4,7 @@ use deadpool_postgres::GenericClient;
 
 use super::sql::{execute, query, query_opt, TxResult};
 use crate::flow::store::StoreError;
-use crate::flow::types::{FlowInfo, NewTask, StoreMillis};
+use crate::flow::types::{FlowCursor, FlowInfo, NewTask, StoreMillis};
 use crate::store::rows::{to_flow_info, FLOW_COLUMNS};
 
 fn flow_row(row: &tokio_postgres::Row) -> Result<FlowInfo, StoreError> {
@@ -61,15 +61,21 @@ pub(super) async fn flow_info<C: GenericClient>(
 pub(super) async fn list_flows<C: GenericClient>(
     client: &C,
     flow_type: Option<&str>,
+    after: Option<&FlowCursor>,
     limit: usize,
 ) -> TxResult<Vec<FlowInfo>> {
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    let created = after.map(|cursor| cursor.created_at);
+    let id = after.map(|cursor| cursor.flow_id.as_str());
     let rows = query(
         client,
         &format!(
             "SELECT {FLOW_COLUMNS} FROM flows WHERE ($1::text IS NULL OR flow_type = $1)
+               AND ($3::bigint IS NULL OR created_at_ms < $3
+                    OR (created_at_ms = $3 AND flow_id > $4::text))
              ORDER BY created_at_ms DESC, flow_id LIMIT $2"
         ),
-        &[&flow_type, &(limit as i64)],
+        &[&flow_type, &limit, &created, &id],
     )
     .await?;
     Ok(rows.iter().map(flow_row).collect::<Result<_, _>>()?)

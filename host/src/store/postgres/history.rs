@@ -32,29 +32,38 @@ pub(super) async fn insert_history<C: GenericClient>(
     Ok(())
 }
 
+/// Entries after entry id `after`, oldest first, at most `limit`.
 pub(super) async fn step_history<C: GenericClient>(
     client: &C,
     flow_id: &str,
-) -> TxResult<Vec<StepHistoryEntry>> {
+    after: Option<i64>,
+    limit: usize,
+) -> TxResult<Vec<(i64, StepHistoryEntry)>> {
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     let rows = query(
         client,
         "SELECT event_type, step_type, step_execution_id, attempt, at_ms, detail, started_at_ms,
-                component
-         FROM step_history WHERE flow_id = $1 ORDER BY entry_id",
-        &[&flow_id],
+                component, entry_id
+         FROM step_history WHERE flow_id = $1 AND entry_id > $2 ORDER BY entry_id LIMIT $3",
+        &[&flow_id, &after.unwrap_or(i64::MIN), &limit],
     )
     .await?;
     Ok(rows
         .iter()
-        .map(|row| StepHistoryEntry {
-            event_type: row.get(0),
-            step_type: row.get(1),
-            step_execution_id: row.get(2),
-            final_attempt: u32::try_from(row.get::<_, i64>(3)).unwrap_or(u32::MAX),
-            at: row.get(4),
-            detail: row.get(5),
-            started_at: row.get(6),
-            component: row.get(7),
+        .map(|row| {
+            (
+                row.get(8),
+                StepHistoryEntry {
+                    event_type: row.get(0),
+                    step_type: row.get(1),
+                    step_execution_id: row.get(2),
+                    final_attempt: u32::try_from(row.get::<_, i64>(3)).unwrap_or(u32::MAX),
+                    at: row.get(4),
+                    detail: row.get(5),
+                    started_at: row.get(6),
+                    component: row.get(7),
+                },
+            )
         })
         .collect())
 }

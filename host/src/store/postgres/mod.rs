@@ -49,8 +49,8 @@ use crate::flow::store::{
     StepCommit, StoreError,
 };
 use crate::flow::types::{
-    ClaimedTask, FlowInfo, Json, MapQuery, NewTask, StateWrite, StepHistoryEntry, StoreMillis,
-    StreamPage, TaskCounts, Versioned,
+    ClaimedTask, FlowCursor, FlowInfo, Json, MapQuery, NewTask, StateWrite, StepHistoryEntry,
+    StoreMillis, StreamPage, TaskCounts, Versioned,
 };
 use sql::{retrying, TxResult};
 
@@ -208,10 +208,11 @@ impl FlowStore for PostgresStore {
     async fn list_flows(
         &self,
         flow_type: Option<&str>,
+        after: Option<&FlowCursor>,
         limit: usize,
     ) -> Result<Vec<FlowInfo>, StoreError> {
         on_client!(self, |client, now| {
-            flows::list_flows(&client, flow_type, limit).await?
+            flows::list_flows(&client, flow_type, after, limit).await?
         })
     }
 
@@ -482,9 +483,14 @@ impl FlowStore for PostgresStore {
         })
     }
 
-    async fn step_history(&self, flow_id: &str) -> Result<Vec<StepHistoryEntry>, StoreError> {
+    async fn step_history_page(
+        &self,
+        flow_id: &str,
+        after: Option<i64>,
+        limit: usize,
+    ) -> Result<Vec<(i64, StepHistoryEntry)>, StoreError> {
         on_client!(self, |client, now| {
-            history::step_history(&client, flow_id).await?
+            history::step_history(&client, flow_id, after, limit).await?
         })
     }
 

@@ -5,7 +5,7 @@ use rusqlite::{params, Connection, OptionalExtension};
 use super::sql::{cached_execute, cached_query_row};
 use super::tasks;
 use crate::flow::store::StoreError;
-use crate::flow::types::{FlowInfo, NewTask, StoreMillis};
+use crate::flow::types::{FlowCursor, FlowInfo, NewTask, StoreMillis};
 use crate::store::rows::{to_flow_info, FlowRowRaw, FLOW_COLUMNS};
 
 fn flow_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<FlowRowRaw> {
@@ -54,14 +54,21 @@ pub(super) fn flow_info(conn: &Connection, flow_id: &str) -> Result<Option<FlowI
 pub(super) fn list_flows(
     conn: &Connection,
     flow_type: Option<&str>,
+    after: Option<&FlowCursor>,
     limit: usize,
 ) -> Result<Vec<FlowInfo>, StoreError> {
     let mut stmt = conn.prepare(&format!(
         "SELECT {FLOW_COLUMNS} FROM flows WHERE (?1 IS NULL OR flow_type = ?1)
+           AND (?3 IS NULL OR created_at_ms < ?3 OR (created_at_ms = ?3 AND flow_id > ?4))
          ORDER BY created_at_ms DESC, flow_id LIMIT ?2"
     ))?;
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    let (created, id) = match after {
+        Some(cursor) => (Some(cursor.created_at), Some(cursor.flow_id.as_str())),
+        None => (None, None),
+    };
     let rows = stmt
-        .query_map(params![flow_type, limit as i64], flow_row)?
+        .query_map(params![flow_type, limit, created, id], flow_row)?
         .collect::<Result<Vec<_>, _>>()?;
     rows.into_iter().map(to_flow_info).collect()
 }

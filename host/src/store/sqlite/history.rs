@@ -29,26 +29,34 @@ pub(super) fn insert_history(
     Ok(())
 }
 
+/// Entries after entry id `after`, oldest first, at most `limit`.
 pub(super) fn step_history(
     conn: &Connection,
     flow_id: &str,
-) -> Result<Vec<StepHistoryEntry>, StoreError> {
+    after: Option<i64>,
+    limit: usize,
+) -> Result<Vec<(i64, StepHistoryEntry)>, StoreError> {
     let mut stmt = conn.prepare(
-        "SELECT event_type, step_type, step_execution_id, attempt, at_ms, detail, started_at_ms, component
-         FROM step_history WHERE flow_id = ?1 ORDER BY entry_id",
+        "SELECT event_type, step_type, step_execution_id, attempt, at_ms, detail, started_at_ms, component,
+                entry_id
+         FROM step_history WHERE flow_id = ?1 AND entry_id > ?2 ORDER BY entry_id LIMIT ?3",
     )?;
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     let rows = stmt
-        .query_map(params![flow_id], |row| {
-            Ok(StepHistoryEntry {
-                event_type: row.get(0)?,
-                step_type: row.get(1)?,
-                step_execution_id: row.get(2)?,
-                final_attempt: row.get(3)?,
-                at: row.get(4)?,
-                detail: row.get(5)?,
-                started_at: row.get(6)?,
-                component: row.get(7)?,
-            })
+        .query_map(params![flow_id, after.unwrap_or(i64::MIN), limit], |row| {
+            Ok((
+                row.get(8)?,
+                StepHistoryEntry {
+                    event_type: row.get(0)?,
+                    step_type: row.get(1)?,
+                    step_execution_id: row.get(2)?,
+                    final_attempt: row.get(3)?,
+                    at: row.get(4)?,
+                    detail: row.get(5)?,
+                    started_at: row.get(6)?,
+                    component: row.get(7)?,
+                },
+            ))
         })?
         .collect::<Result<Vec<_>, _>>()?;
     Ok(rows)

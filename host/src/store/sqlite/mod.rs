@@ -56,8 +56,8 @@ use crate::flow::store::{
     StepCommit, StoreError,
 };
 use crate::flow::types::{
-    ClaimedTask, FlowInfo, Json, MapQuery, NewTask, StateWrite, StepHistoryEntry, StoreMillis,
-    StreamPage, TaskCounts, Versioned,
+    ClaimedTask, FlowCursor, FlowInfo, Json, MapQuery, NewTask, StateWrite, StepHistoryEntry,
+    StoreMillis, StreamPage, TaskCounts, Versioned,
 };
 use crate::store::stream_signals::StreamSignals;
 
@@ -343,11 +343,15 @@ impl FlowStore for SqliteStore {
     async fn list_flows(
         &self,
         flow_type: Option<&str>,
+        after: Option<&FlowCursor>,
         limit: usize,
     ) -> Result<Vec<FlowInfo>, StoreError> {
         let flow_type = flow_type.map(str::to_string);
-        self.read(move |conn, _| flows::list_flows(conn, flow_type.as_deref(), limit))
-            .await
+        let after = after.cloned();
+        self.read(move |conn, _| {
+            flows::list_flows(conn, flow_type.as_deref(), after.as_ref(), limit)
+        })
+        .await
     }
 
     async fn stop_flow(&self, flow_id: &str) -> Result<bool, StoreError> {
@@ -578,9 +582,14 @@ impl FlowStore for SqliteStore {
         .await
     }
 
-    async fn step_history(&self, flow_id: &str) -> Result<Vec<StepHistoryEntry>, StoreError> {
+    async fn step_history_page(
+        &self,
+        flow_id: &str,
+        after: Option<i64>,
+        limit: usize,
+    ) -> Result<Vec<(i64, StepHistoryEntry)>, StoreError> {
         let flow_id = flow_id.to_string();
-        self.read(move |conn, _| history::step_history(conn, &flow_id))
+        self.read(move |conn, _| history::step_history(conn, &flow_id, after, limit))
             .await
     }
 
