@@ -491,6 +491,74 @@ async fn event_payloads_are_checked_before_they_are_parsed_and_stay_readable_onc
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_a_guest_prints_reaches_the_session_as_guest_log_events_and_the_log_with_its_step() {
+    let mut stack = AgentTestStack::with_config(|dir| render_containment(dir, true));
+    // Guest output is logged at info, under its own target.
+    let worker = stack.start_worker_with_env(&[], &[("RUST_LOG", "warn,dexa::guest=info")]);
+    let sessions = stack.sessions("Events");
+    let end = first_turn(&sessions, "printer", "tool print {\"megabytes\":1}").await;
+    assert!(
+        tool_report(&end, "print").contains("Succeeded output=Some(\"printed\")"),
+        "{end:?}"
+    );
+    let (events, _) = sessions
+        .read_events("printer", 0, 1000)
+        .await
+        .expect("events");
+    let logs: Vec<_> = events
+        .iter()
+        .filter(|(_, e)| e.event_type == "guest_log")
+        .map(|(_, e)| e)
+        .collect();
+    let streams: Vec<&str> = logs
+        .iter()
+        .filter_map(|e| e.data["stream"].as_str())
+        .collect();
+    assert_eq!(streams, ["stdout", "stderr"], "{logs:?}");
+    let step = &logs[0].step_execution_id;
+    for event in &logs {
+        assert_eq!(event.turn_id, "turn-1");
+        assert_eq!(&event.step_execution_id, step, "the tool's Step");
+        assert_eq!(event.data["component"], "hostile-tool");
+        assert!(
+            event.data["dropped_bytes"]
+                .as_u64()
+                .is_some_and(|n| n > 1_000_000),
+            "a MiB printed, 16 KiB kept: {}",
+            event.data["dropped_bytes"]
+        );
+        assert!(event.data["text"]
+            .as_str()
+            .is_some_and(|t| t.len() <= 17 << 10));
+    }
+    assert!(logs[0].data["text"]
+        .as_str()
+        .is_some_and(|t| t.starts_with("stdout: first line")));
+    // The worker's log has both, tagged with the Step, each on one line: a
+    // line the guest printed cannot pass for a line of the log.
+    let log = stack.worker_log(worker);
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|line| line.contains("guest output"))
+        .collect();
+    assert_eq!(lines.len(), 2, "{log:.2000}");
+    for line in &lines {
+        assert!(
+            line.contains("dexa::guest")
+                && line.contains("flow_id=printer")
+                && line.contains(&format!("step_execution_id={step}"))
+                && line.contains("component=hostile-tool"),
+            "{line:.300}"
+        );
+    }
+    assert!(
+        log.lines()
+            .all(|line| !line.starts_with("stderr: first line")),
+        "a guest's line break was written raw"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn overlapping_grants_are_refused_unless_both_are_marked_shared() {
     let mut stack = AgentTestStack::with_config(|dir| render_containment(dir, false));
     let worker = stack.start_worker();

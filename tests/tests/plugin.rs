@@ -1060,3 +1060,75 @@ async fn a_tool_whose_parameter_schema_is_invalid_is_refused_at_load_with_the_sc
         );
     }
 }
+
+/// What `hostile-tool`'s `print` wrote, by stream: (text, dropped bytes).
+fn guest_logs(
+    events: &CollectingEvents,
+    tag: &dexa::plugin::StepTag,
+) -> Vec<(String, String, u64)> {
+    events
+        .events()
+        .into_iter()
+        .filter_map(|e| match e.event {
+            GuestEvent::GuestLog {
+                component,
+                stream,
+                text,
+                dropped_bytes,
+            } => {
+                assert_eq!(&e.tag, tag, "a guest log carries the Step's tag");
+                assert_eq!(component, "hostile-tool");
+                Some((stream, text, dropped_bytes))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_guests_stdout_and_stderr_become_guest_log_events_kept_to_a_cap_and_never_fail_it() {
+    let engine = test_engine();
+    let tool = load_tool(&engine, "hostile-tool").await;
+    let cap = dexa::plugin::ComponentLimits::default().log_bytes;
+    for megabytes in [0usize, 2] {
+        let events = Arc::new(CollectingEvents::default());
+        let tag = step_tag("flow-log", "turn-1", "exec-1", 1);
+        let env = CallEnv::new(tag.clone()).with_events(events.clone());
+        let arguments = format!("{{\"megabytes\": {megabytes}}}");
+        let output = tool
+            .call(
+                env,
+                &execution(
+                    "flow-log",
+                    "turn-1",
+                    record("c1", "print", &arguments, ToolEffect::Read),
+                    1,
+                ),
+            )
+            .await
+            .expect("a guest that prints past the cap is not failed")
+            .expect("output");
+        assert_eq!(output, "printed");
+        let logs = guest_logs(&events, &tag);
+        let streams: Vec<&str> = logs.iter().map(|(s, _, _)| s.as_str()).collect();
+        assert_eq!(streams, ["stdout", "stderr"], "{megabytes} MiB");
+        let (_, stdout, stdout_dropped) = &logs[0];
+        let (_, stderr, stderr_dropped) = &logs[1];
+        assert!(stdout.starts_with("stdout: first line\n"), "{stdout:.100}");
+        assert!(
+            stderr.starts_with("stderr: first line\n\u{fffd}\u{fffd}\n"),
+            "bytes that are not UTF-8 become replacement characters: {stderr:.100}"
+        );
+        if megabytes == 0 {
+            assert_eq!((*stdout_dropped, *stderr_dropped), (0, 0));
+        } else {
+            // Kept up to the cap (in bytes of the guest's output), the rest
+            // counted, not stored.
+            let written = (megabytes << 20) as u64;
+            for (text, dropped) in [(stdout, stdout_dropped), (stderr, stderr_dropped)] {
+                assert!(text.len() <= cap + 8, "{}", text.len());
+                assert!(*dropped >= written - cap as u64, "{dropped}");
+            }
+        }
+    }
+}

@@ -7,7 +7,6 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use wasmtime::{Store, Trap, UpdateDeadline};
-use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::{ResourceTable, WasiCtx, WasiCtxView, WasiView};
 
 use super::boundary::BoundaryBytes;
@@ -15,12 +14,13 @@ use super::component::ComponentSettings;
 use super::engine::SandboxEngine;
 use super::error::CallError;
 use super::factors::config::ComponentConfig;
-use super::factors::events::{EventSink, EventWriter, NoEvents};
+use super::factors::events::{EventSink, EventWriter, GuestEvent, NoEvents};
 use super::factors::history::HistoryBudget;
 use super::factors::http::{DeniedRequests, HttpState};
 use super::factors::model::{ModelProvider, ModelState};
 use super::factors::policy::{NoPolicies, SharedPolicyResolver, ToolPolicyResolver};
 use super::factors::step::{HeartbeatSink, NoHeartbeats, StepState, StepTag};
+use super::guest_log::{GuestLogPipe, LogStream};
 use super::limits::CallLimiter;
 
 /// The Step a call serves, and where its heartbeats, events, policy questions
@@ -124,7 +124,8 @@ pub(crate) struct Call {
     component: Arc<str>,
     /// The component's sha256, for the metrics.
     digest: Arc<str>,
-    stderr: MemoryOutputPipe,
+    stdout: GuestLogPipe,
+    stderr: GuestLogPipe,
     events: EventWriter,
     denied_http: DeniedRequests,
     output_bytes: usize,
@@ -179,16 +180,16 @@ impl Call {
             }
         };
         let component: Arc<str> = Arc::from(settings.name.as_str());
-        let stderr = MemoryOutputPipe::new(settings.limits.stderr_bytes);
-        let wasi =
-            settings
-                .grants
-                .wasi_ctx(stderr.clone())
-                .map_err(|err| CallError::NotStarted {
-                    component: settings.name.clone(),
-                    export,
-                    reason: format!("{err:#}"),
-                })?;
+        let stdout = GuestLogPipe::new(settings.limits.log_bytes);
+        let stderr = GuestLogPipe::new(settings.limits.log_bytes);
+        let wasi = settings
+            .grants
+            .wasi_ctx(stdout.clone(), stderr.clone())
+            .map_err(|err| CallError::NotStarted {
+                component: settings.name.clone(),
+                export,
+                reason: format!("{err:#}"),
+            })?;
         let events = EventWriter::new(
             env.tag.clone(),
             env.events,
@@ -247,6 +248,7 @@ impl Call {
             deadline,
             component,
             digest: Arc::from(settings.digest.as_str()),
+            stdout,
             stderr,
             events,
             denied_http,
@@ -273,9 +275,47 @@ impl Call {
         Ok(())
     }
 
+    /// What the guest printed, as `guest_log` events (charged to the call's
+    /// event budget like any event) and as log lines tagged with the Step.
+    fn hand_over_logs(&self) {
+        for (stream, pipe) in [
+            (LogStream::Stdout, &self.stdout),
+            (LogStream::Stderr, &self.stderr),
+        ] {
+            let (text, dropped_bytes) = pipe.contents();
+            if text.is_empty() && dropped_bytes == 0 {
+                continue;
+            }
+            let tag = self.events.tag();
+            tracing::info!(
+                target: "dexa::guest",
+                component = %self.component,
+                export = self.export,
+                flow_id = %tag.flow_id,
+                turn_id = %tag.turn_id,
+                step_execution_id = %tag.step_execution_id,
+                attempt = tag.attempt,
+                stream = stream.as_str(),
+                dropped_bytes,
+                // Escaped (Debug): a guest's line break cannot start a
+                // log line of its own.
+                text = ?text.trim_end(),
+                "guest output"
+            );
+            // Best effort, as every event: past the budget it is dropped.
+            let _ = self.events.write(GuestEvent::GuestLog {
+                component: self.component.to_string(),
+                stream: stream.as_str().to_string(),
+                text,
+                dropped_bytes,
+            });
+        }
+    }
+
     /// Ends the call: later event writes are dropped, and a failure becomes a
     /// typed error that says what happened.
     pub fn finish<R: BoundaryBytes>(self, result: wasmtime::Result<R>) -> Result<R, CallError> {
+        self.hand_over_logs();
         self.events.close();
         let labels = [
             ("component", self.component.to_string()),
@@ -340,7 +380,7 @@ impl Call {
                 ),
             });
         }
-        let guest_stderr = String::from_utf8_lossy(&self.stderr.contents()).into_owned();
+        let (guest_stderr, _) = self.stderr.contents();
         let by_guest = err.downcast_ref::<Trap>().is_some();
         let mut reason = match err.downcast_ref::<Trap>() {
             Some(trap) => trap.to_string(),

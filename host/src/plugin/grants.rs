@@ -15,7 +15,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
+use super::guest_log::GuestLogPipe;
 use wasmtime_wasi::sockets::SocketAddrUse;
 use wasmtime_wasi::{FsPerms, WasiCtx, WasiCtxBuilder};
 
@@ -202,9 +202,13 @@ impl Grants {
     }
 
     /// A fresh WASI context holding exactly these grants.
-    pub(crate) fn wasi_ctx(&self, stderr: MemoryOutputPipe) -> anyhow::Result<WasiCtx> {
+    pub(crate) fn wasi_ctx(
+        &self,
+        stdout: GuestLogPipe,
+        stderr: GuestLogPipe,
+    ) -> anyhow::Result<WasiCtx> {
         let mut builder = WasiCtxBuilder::new();
-        builder.stderr(stderr);
+        builder.stdout(stdout).stderr(stderr);
         for grant in &self.dirs {
             let perms = match grant.access {
                 DirAccess::ReadOnly => FsPerms::ReadOnly,

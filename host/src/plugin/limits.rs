@@ -35,8 +35,10 @@ pub struct ComponentLimits {
     /// [`EventSink::stored_cost`](super::EventSink::stored_cost)); past it they are dropped and the call
     /// goes on.
     pub event_bytes_per_call: u64,
-    /// Bytes of the guest's stderr kept for error messages.
-    pub stderr_bytes: usize,
+    /// Bytes of each of the guest's stdout and stderr kept per call (for
+    /// `guest_log` events, the log, and error messages); the rest is
+    /// dropped and counted, and the guest goes on.
+    pub log_bytes: usize,
     /// Host resources (streams, pollables, HTTP headers...) one call may
     /// hold at once; each holds host memory outside `memory_bytes`.
     pub host_handles: usize,
@@ -53,7 +55,7 @@ impl Default for ComponentLimits {
             output_bytes: 1 << 20,
             run_state_bytes: 1 << 20,
             event_bytes_per_call: 1 << 20,
-            stderr_bytes: 16 << 10,
+            log_bytes: 16 << 10,
             host_handles: 4096,
         }
     }

@@ -8,6 +8,7 @@
 //! - [`Grants`] and [`ComponentLimits`]: what a component may reach and use.
 //! - `guest_pool`: long calls move to lower-priority threads.
 //! - `boundary`: the byte caps on what a guest returns.
+//! - [`guest_log`]: the guest's stdout and stderr, kept up to a cap.
 //! - [`tool_schema`]: the check of each tool's parameter schema at load.
 
 pub mod bindings;
@@ -20,6 +21,7 @@ pub mod error;
 pub mod factors;
 pub mod grant_paths;
 pub mod grants;
+pub mod guest_log;
 mod guest_pool;
 mod limits;
 pub mod tool_schema;

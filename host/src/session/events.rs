@@ -39,7 +39,8 @@ pub fn session_event(tag: &StepTag, event_type: &str, data: Json) -> Json {
 
 /// Event types only the host writes; a guest's `write-event` may not use them,
 /// so that no component can fake the session's own record of what happened.
-const RESERVED: [&str; 14] = [
+const RESERVED: [&str; 15] = [
+    event_type::GUEST_LOG,
     event_type::TURN_STARTED,
     event_type::TURN_CANCEL_REQUESTED,
     event_type::TURN_CANCELLED,
@@ -121,6 +122,15 @@ fn guest_event(event: TaggedEvent, managed: &HashSet<String>) -> Option<Json> {
         } => (
             event_type::TOOL_CALL_FINISHED.to_string(),
             json!({"tool_call_id": tool_call_id, "tool_name": tool_name, "status": status}),
+        ),
+        GuestEvent::GuestLog {
+            component,
+            stream,
+            text,
+            dropped_bytes,
+        } => (
+            event_type::GUEST_LOG.to_string(),
+            json!({"component": component, "stream": stream, "text": text, "dropped_bytes": dropped_bytes}),
         ),
         GuestEvent::Custom {
             event_type,

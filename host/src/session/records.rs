@@ -515,6 +515,9 @@ pub mod event_type {
     pub const VERSION_CHANGED: &str = "version_changed";
     /// The runner summarized the history through a sequence.
     pub const HISTORY_COMPACTED: &str = "history_compacted";
+    /// What a guest printed to stdout or stderr in one call (kept up to a
+    /// cap; `dropped_bytes` counts the rest).
+    pub const GUEST_LOG: &str = "guest_log";
 }
 
 /// One event of the session's stream. Every event carries the turn, the Step

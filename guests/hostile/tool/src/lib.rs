@@ -213,6 +213,10 @@ impl Guest for HostileTool {
                 "event_deep",
                 "writes one event whose payload nests {depth} objects deep",
             ),
+            spec(
+                "print",
+                "prints {megabytes} MiB (at least one line) to stdout and to stderr, then succeeds",
+            ),
         ]
     }
 
@@ -278,6 +282,20 @@ impl Guest for HostileTool {
             "event_deep" => {
                 events::write_event("deep", &nested_object(args.depth));
                 Ok(format!("wrote {} levels", args.depth))
+            }
+            // Through the standard library, as a guest author would:
+            // `println!` panics if a write fails.
+            "print" => {
+                println!("stdout: first line");
+                eprintln!("stderr: first line");
+                // Not UTF-8: kept as replacement characters.
+                let _ = std::io::Write::write_all(&mut std::io::stderr(), b"\xff\xfe\n");
+                let line = "z".repeat(1023);
+                for _ in 0..args.megabytes << 10 {
+                    println!("{line}");
+                    eprintln!("{line}");
+                }
+                Ok("printed".to_string())
             }
             other => Err(execution(format!("no tool {other}"))),
         }

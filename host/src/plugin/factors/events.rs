@@ -36,6 +36,14 @@ pub enum GuestEvent {
         event_type: String,
         payload: serde_json::Value,
     },
+    /// What the guest printed to stdout or stderr during the call, written
+    /// by the host when the call ends (not a WIT import).
+    GuestLog {
+        component: String,
+        stream: String,
+        text: String,
+        dropped_bytes: u64,
+    },
 }
 
 /// What the host stores with every event besides the guest's own bytes (its
@@ -72,6 +80,12 @@ impl GuestEvent {
                 event_type,
                 payload,
             } => event_type.len() + payload.to_string().len(),
+            GuestEvent::GuestLog {
+                component,
+                stream,
+                text,
+                ..
+            } => strings(&[component, stream, text]) + 20,
         };
         len as u64
     }
