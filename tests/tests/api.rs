@@ -1046,7 +1046,7 @@ async fn a_stopped_sessions_event_stream_sends_every_event_then_session_ended_an
         )
         .await;
     read_sse(&served, "s1", None, |t| t == "interrupt_raised").await;
-    // A stream open while the session is stopped: it ends after the stop.
+    // A stream open when the session is stopped: it ends after the stop.
     let open = {
         let served = served.clone();
         tokio::spawn(async move { read_sse_to_end(&served, "s1", None).await })
@@ -1059,7 +1059,7 @@ async fn a_stopped_sessions_event_stream_sends_every_event_then_session_ended_an
     assert_eq!(
         Some(&last.0),
         rest.last().map(|e| &e.0),
-        "the end sets no id of its own: a reconnect resumes after the last event"
+        "the end carries the last event's id: a reconnect resumes after it"
     );
     assert_eq!(last.1, "session_ended");
     assert_eq!(
@@ -1268,4 +1268,48 @@ async fn sessions_and_history_are_paged_by_cursor_without_a_gap_or_a_repeat() {
         }
     }
     assert_eq!(paged, steps);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ended_session_with_no_events_ends_its_stream_and_a_reconnect_gets_204() {
+    let served = serve().await;
+    served
+        .call(
+            "POST",
+            "/v1/agents/Helpdesk/sessions",
+            Some(json!({"session_id": "quiet", "message": ""})),
+        )
+        .await;
+    served.call("POST", "/v1/sessions/quiet/stop", None).await;
+    let seen = read_sse_to_end(&served, "quiet", None).await;
+    assert_eq!(seen.len(), 1, "{seen:?}");
+    assert_eq!(
+        (seen[0].0.as_str(), seen[0].1.as_str()),
+        ("0", "session_ended"),
+        "an id, so that an EventSource reconnects with Last-Event-ID"
+    );
+    // What a browser does next: reconnect with the id it was given.
+    let response = served
+        .http
+        .get(served.url("/v1/sessions/quiet/events"))
+        .bearer_auth(TOKEN)
+        .header("Last-Event-ID", "0")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::NO_CONTENT);
+    // With ?after= (no header): the end again, at once.
+    let response = served
+        .http
+        .get(served.url("/v1/sessions/quiet/events?after=0"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let body = tokio::time::timeout(Duration::from_secs(30), response.text())
+        .await
+        .expect("the stream ends")
+        .unwrap();
+    assert!(body.contains("event: session_ended"), "{body}");
 }

@@ -1325,6 +1325,11 @@ async fn taking_a_flows_tasks_fences_the_running_step_and_wakes_its_readers(
         .expect("both backends signal takes");
     // A watch wakes a flow it has not seen before on the first commit it
     // sees (SQLite's): let that pass, so that only the take can wake it.
+    stack
+        .client
+        .start_flow("Inbox", "unrelated", json!({"mode": "one", "expect": 5}))
+        .await
+        .expect("start");
     let first_sight = there.notified();
     other
         .append_stream("unrelated", "events", vec![json!({})])
@@ -1453,6 +1458,29 @@ async fn stopping_a_flow_keeps_its_state_readable(factory: &dyn StoreFactory) {
     assert!(matches!(
         stack.client.start_flow("Inbox", "stop-me", json!({})).await,
         Err(dexa::flow::FlowError::Store(StoreError::FlowExists { .. }))
+    ));
+    // A stopped flow's streams take no live appends: a reader that saw it
+    // stopped, then read its stream to the end, has every entry.
+    let refused = stack
+        .store
+        .append_stream("stop-me", "events", vec![json!({"late": true})])
+        .await;
+    assert!(
+        matches!(&refused, Err(StoreError::Conflict(message)) if message.contains("stopped")),
+        "{refused:?}"
+    );
+    let page = stack
+        .store
+        .read_stream("stop-me", "events", 0, 10)
+        .await
+        .expect("read");
+    assert!(page.entries.is_empty(), "{:?}", page.entries);
+    assert!(matches!(
+        stack
+            .store
+            .append_stream("never-started", "events", vec![json!(1)])
+            .await,
+        Err(StoreError::NoSuchFlow { .. })
     ));
 }
 
@@ -1682,6 +1710,48 @@ async fn task_counts_count_the_tasks_by_state(factory: &dyn StoreFactory) {
     assert_eq!((counts.ready, counts.waiting, counts.leased), (2, 0, 1));
 }
 
+/// Sets the creation time of `flows` in `stack`'s store behind its back:
+/// the stores take the time from the clock, and a test of ties needs them.
+async fn set_created_at(factory: &dyn StoreFactory, stack: &Stack, flows: &[&str], millis: i64) {
+    let ids: Vec<String> = flows.iter().map(|f| f.to_string()).collect();
+    match factory.name() {
+        "sqlite" => {
+            let conn = rusqlite::Connection::open(stack._dir.path().join("store.sqlite"))
+                .expect("open the SQLite file");
+            conn.busy_timeout(Duration::from_secs(10))
+                .expect("busy timeout");
+            for id in &ids {
+                conn.execute(
+                    "UPDATE flows SET created_at_ms = ?1 WHERE flow_id = ?2",
+                    rusqlite::params![millis, id],
+                )
+                .expect("update");
+            }
+        }
+        _ => {
+            let address = dexa_tests::toy::postgres_address(stack._dir.path());
+            let schema = address
+                .rsplit_once("schema=")
+                .map(|(_, schema)| schema.to_string())
+                .expect("a schema");
+            let (client, connection) = tokio_postgres::connect(
+                &dexa_tests::toy::test_postgres_url(),
+                tokio_postgres::NoTls,
+            )
+            .await
+            .expect("connect");
+            let connection = tokio::spawn(connection);
+            let sql =
+                format!("UPDATE \"{schema}\".flows SET created_at_ms = $1 WHERE flow_id = $2");
+            for id in &ids {
+                client.execute(&sql, &[&millis, id]).await.expect("update");
+            }
+            drop(client);
+            let _ = connection.await;
+        }
+    }
+}
+
 /// Flows list newest first and Step history oldest first; a page that
 /// starts at the cursor of the one before misses nothing and repeats
 /// nothing, also among flows created in the same millisecond.
@@ -1700,12 +1770,26 @@ async fn listings_page_by_cursor_without_a_gap_or_a_repeat(factory: &dyn StoreFa
             .await
             .expect("start");
     }
+    // Ties: five flows in one millisecond, a page boundary among them.
+    set_created_at(factory, &stack, &["f2", "f3", "f4", "f5", "f6"], 1_000).await;
     let whole = stack.store.list_flows(None, None, 100).await.expect("list");
     assert_eq!(whole.len(), 9);
+    let tied: Vec<&str> = whole
+        .iter()
+        .filter(|f| f.created_at == 1_000)
+        .map(|f| f.flow_id.as_str())
+        .collect();
+    assert_eq!(tied, ["f2", "f3", "f4", "f5", "f6"], "ties by id");
     assert!(whole
         .windows(2)
         .all(|w| (w[0].created_at, &w[1].flow_id) >= (w[1].created_at, &w[0].flow_id)));
-    for (kind, size) in [(None, 2), (None, 4), (Some("Noop"), 2), (Some("Retry"), 1)] {
+    for (kind, size) in [
+        (None, 1),
+        (None, 2),
+        (None, 4),
+        (Some("Noop"), 2),
+        (Some("Retry"), 1),
+    ] {
         let mut paged = Vec::new();
         let mut after: Option<FlowCursor> = None;
         loop {

@@ -1059,6 +1059,18 @@ async fn a_tool_whose_parameter_schema_is_invalid_is_refused_at_load_with_the_sc
             "{schema}: {err}"
         );
     }
+    // A version sessions already use, accepted before the check: loaded,
+    // with a warning, rather than stranding them.
+    let mut settings = ComponentSettings::named("hostile-tool").with_config(BTreeMap::from([(
+        "parameters_schema".to_string(),
+        "{}".to_string(),
+    )]));
+    settings.keep_bad_tool_schemas = true;
+    let kept = engine
+        .load_tool(&guest_bytes("hostile-tool"), settings)
+        .await
+        .expect("kept");
+    assert!(kept.serves("spin"));
 }
 
 /// What `hostile-tool`'s `print` wrote, by stream: (text, dropped bytes).

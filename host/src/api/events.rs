@@ -43,10 +43,11 @@ pub(super) struct EventsQuery {
 /// (or `?after=`) resumes after that event.
 ///
 /// When the session has ended (stopped, failed or completed) and every
-/// event is sent, a last `session_ended` event (no `id`; `data` is
-/// `{"session_id", "status", "error"}`) ends the stream. A reconnect (with
-/// `Last-Event-ID`) to an ended session with nothing left to send gets 204,
-/// which tells a browser's `EventSource` to stop reconnecting.
+/// event is sent, a last `session_ended` event (`id` the last event's, 0
+/// when none; `data` is `{"session_id", "status", "error"}`) ends the
+/// stream. A reconnect (with `Last-Event-ID`) to an ended session with
+/// nothing left to send gets 204, which tells a browser's `EventSource` to
+/// stop reconnecting.
 pub(super) async fn events(
     State(state): State<ApiState>,
     Path(session_id): Path<String>,
@@ -119,15 +120,9 @@ impl Tail {
             if let Some((seq, event)) = self.buffered.pop_front() {
                 return Some(sse_event(seq, &event));
             }
+            // Armed before the reads, so that an append or a stop between
+            // them and the wait still wakes it.
             let signal = self.sessions.event_signal(&self.session_id);
-            // Read before the events: an event appended before the session
-            // ended is then in the read below, so an empty read after an
-            // ended status means nothing more comes. A pushed stream wakes
-            // only on an append, a stop or its fallback pause, so it looks
-            // each time; a polled one at most once per STATUS_CHECK.
-            self.check_status(signal.is_some()).await;
-            // Armed before the read, so that an append between the read and
-            // the wait still wakes it.
             let notified = signal.as_ref().map(|signal| signal.notified());
             tokio::pin!(notified);
             if let Some(notified) = notified.as_mut().as_pin_mut() {
@@ -143,46 +138,61 @@ impl Tail {
                         self.after = *last;
                     }
                     self.buffered.extend(page);
+                    continue;
                 }
                 // A page of only unreadable events: step over it.
-                Ok((_, next)) if next - 1 > self.after => self.after = next - 1,
-                Ok(_) => {
-                    if let Some(flow) = &self.ended {
-                        self.done = true;
-                        return Some(ended_event(flow));
-                    }
-                    match notified.as_mut().as_pin_mut() {
-                        // Pushed: the next append (or a stop through this
-                        // API) wakes it; the long pause covers a notification
-                        // lost in a reconnect and a stop by another process.
-                        Some(notified) => {
-                            let _ = tokio::time::timeout(EVENT_PUSH_FALLBACK, notified).await;
-                        }
-                        None => tokio::time::sleep(EVENT_POLL).await,
-                    }
+                Ok((_, next)) if next - 1 > self.after => {
+                    self.after = next - 1;
+                    continue;
                 }
+                Ok(_) => {}
                 Err(err) => {
                     tracing::warn!(session_id = self.session_id, error = %err, "event stream ended");
                     return None;
                 }
             }
+            // Caught up. The status was read before this empty read: an
+            // ended flow takes no more appends (the store refuses them), so
+            // nothing more comes.
+            if let Some(flow) = &self.ended {
+                self.done = true;
+                return Some(ended_event(flow, self.after));
+            }
+            // Seen ending now: read the events once more before the end.
+            // A pushed stream wakes only on an append, a stop through this
+            // API or its fallback pause, so it looks each time; a polled one
+            // at most once per STATUS_CHECK.
+            if self.check_status(signal.is_some()).await {
+                continue;
+            }
+            match notified.as_mut().as_pin_mut() {
+                // Pushed: the next append (or a stop through this API) wakes
+                // it; the long pause covers a notification lost in a
+                // reconnect and a stop by another process.
+                Some(notified) => {
+                    let _ = tokio::time::timeout(EVENT_PUSH_FALLBACK, notified).await;
+                }
+                None => tokio::time::sleep(EVENT_POLL).await,
+            }
         }
     }
 
-    /// Reads the session's status until it has ended; unless `always`, at
-    /// most once per [`STATUS_CHECK`]. A failed read is left to the next
-    /// one: the event read reports a store that is down.
-    async fn check_status(&mut self, always: bool) {
+    /// Reads the session's status; true when it has ended. Unless
+    /// `always`, at most once per [`STATUS_CHECK`]. A failed read is left to
+    /// the next one: the event read reports a store that is down.
+    async fn check_status(&mut self, always: bool) -> bool {
         let recent = self.checked.is_some_and(|at| at.elapsed() < STATUS_CHECK);
-        if self.ended.is_some() || (recent && !always) {
-            return;
+        if recent && !always {
+            return false;
         }
         self.checked = Some(Instant::now());
         if let Ok(Some(flow)) = self.store.flow(&self.session_id).await {
             if flow.status != FlowStatus::Running {
                 self.ended = Some(flow);
+                return true;
             }
         }
+        false
     }
 }
 
@@ -206,12 +216,17 @@ fn sse_event(seq: i64, event: &AgentEvent) -> Event {
     }
 }
 
-/// The last event of an ended session's stream.
-fn ended_event(flow: &FlowInfo) -> Event {
+/// The last event of an ended session's stream. Its id is the last
+/// event's (0 when there was none), so that a browser's `EventSource`
+/// reconnects with `Last-Event-ID` and gets 204, which stops it.
+fn ended_event(flow: &FlowInfo, last: i64) -> Event {
     let data = json!({
         "session_id": flow.flow_id,
         "status": flow.status.as_str(),
         "error": flow.error,
     });
-    Event::default().event(SESSION_ENDED).data(data.to_string())
+    Event::default()
+        .id(last.to_string())
+        .event(SESSION_ENDED)
+        .data(data.to_string())
 }

@@ -146,7 +146,7 @@ pub fn document() -> Value {
                 "parameters": [session_param(),
                     {"name": "after", "in": "query", "description": "The `next_after` of the page before", "schema": {"type": "integer"}},
                     {"name": "limit", "in": "query", "description": format!("How many entries; clamped to 1..{MAX_HISTORY_PAGE}"), "schema": {"type": "integer", "default": MAX_HISTORY_PAGE}}],
-                "responses": with_errors(json!({"200": json_ok("The Step history", "StepHistory")}), &[401, 404])
+                "responses": with_errors(json!({"200": json_ok("The Step history", "StepHistory")}), &[400, 401, 404])
             }},
             "/v1/components": {
                 "get": {
@@ -187,14 +187,14 @@ pub fn document() -> Value {
             "/v1/sessions/{session_id}/events": {"get": {
                 "operationId": "streamEvents",
                 "summary": "Server-Sent Events: id is the event's sequence, event its type, data the AgentEvent; resume with Last-Event-ID",
-                "description": "Once the session has ended (stopped, failed or completed) and every event is sent, a last event named `session_ended`, with no id and data `SessionEnded`, ends the stream. A reconnect with `Last-Event-ID` to an ended session with nothing left to send is answered 204, which tells a browser's EventSource to stop reconnecting.",
+                "description": "Once the session has ended (stopped, failed or completed) and every event is sent, a last event named `session_ended`, with the last event's id (0 when there was none) and data `SessionEnded`, ends the stream. A reconnect with `Last-Event-ID` to an ended session with nothing left to send is answered 204, which tells a browser's EventSource to stop reconnecting.",
                 "parameters": [
                     session_param(),
                     {"name": "Last-Event-ID", "in": "header", "schema": {"type": "integer"}},
                     {"name": "after", "in": "query", "schema": {"type": "integer"}}
                 ],
                 "responses": with_errors(json!({
-                    "200": {"description": "The event stream; it ends only after `session_ended`", "content": {"text/event-stream": {"schema": {"$ref": "#/components/schemas/AgentEvent"}}}},
+                    "200": {"description": "The event stream; it ends after `session_ended`, or when the store fails (reconnect with Last-Event-ID)", "content": {"text/event-stream": {"schema": {"$ref": "#/components/schemas/AgentEvent"}}}},
                     "204": {"description": "A reconnect to an ended session with nothing left to send"}
                 }), &[400, 401, 404])
             }}

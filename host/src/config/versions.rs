@@ -97,7 +97,10 @@ impl ComponentLoader for ConfigLoader {
         digest: &str,
         wasm: Vec<u8>,
     ) -> Result<ToolComponent, VersionError> {
-        let settings = self.settings_of(role)?;
+        let mut settings = self.settings_of(role)?;
+        // A version a session is pinned to was verified when it was
+        // activated; a check added since must not strand the session.
+        settings.keep_bad_tool_schemas = true;
         let engine = self.engine.clone();
         // Compiling is CPU work of up to seconds, and `list-tools` runs
         // the guest: both off the runtime's threads, which serve the

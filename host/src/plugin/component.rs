@@ -38,6 +38,10 @@ pub struct ComponentSettings {
     /// The component's sha256, set when it is loaded: its calls' metrics
     /// are labelled with it, so that two versions of one name stay apart.
     pub digest: String,
+    /// Load a tool whose parameter schema fails the check, with a warning,
+    /// instead of refusing it: for versions sessions already use, accepted
+    /// before the check existed. New versions are always checked.
+    pub keep_bad_tool_schemas: bool,
 }
 
 impl ComponentSettings {
@@ -284,13 +288,18 @@ impl SandboxEngine {
         // A schema the model could not use is refused here, by tool and
         // reason, not found out at the first turn (or sent as another).
         for spec in &tool.tools {
-            tool_schema::check(&spec.parameters_schema).map_err(|source| {
-                LoadError::ToolSchema {
-                    name: name.clone(),
-                    tool: spec.name.clone(),
-                    source,
-                }
-            })?;
+            let Err(source) = tool_schema::check(&spec.parameters_schema) else {
+                continue;
+            };
+            let err = LoadError::ToolSchema {
+                name: name.clone(),
+                tool: spec.name.clone(),
+                source,
+            };
+            if !tool.callable.settings.keep_bad_tool_schemas {
+                return Err(err);
+            }
+            tracing::warn!(error = %err, "loaded anyway: a version sessions already use");
         }
         Ok(tool)
     }

@@ -125,3 +125,10 @@ pub(crate) fn to_record(digest: &str, text: String) -> Result<ComponentRecord, S
     serde_json::from_str(&text)
         .map_err(|err| corrupt(&format!("the record of component {digest}"), err))
 }
+
+/// The refusal of a live append to a flow that has ended (both backends).
+pub(crate) fn stream_closed(flow_id: &str, status: &str) -> StoreError {
+    StoreError::Conflict(format!(
+        "flow {flow_id} is {status}; its streams take no more entries"
+    ))
+}

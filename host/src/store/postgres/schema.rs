@@ -26,6 +26,8 @@ CREATE TABLE IF NOT EXISTS flows (
     error          TEXT
 );
 CREATE INDEX IF NOT EXISTS flows_by_type ON flows (flow_type, created_at_ms);
+-- The session listing's order: a page after a cursor walks the index.
+CREATE INDEX IF NOT EXISTS flows_by_created ON flows (created_at_ms DESC, flow_id);
 
 CREATE TABLE IF NOT EXISTS tasks (
     task_id               BIGSERIAL PRIMARY KEY,

@@ -4,10 +4,10 @@
 
 use deadpool_postgres::GenericClient;
 
-use super::sql::{execute, query, query_one, TxResult};
+use super::sql::{execute, query, query_one, query_opt, TxResult};
 use crate::flow::store::StoreError;
 use crate::flow::types::{Json, StoreMillis, StreamEntry, StreamPage};
-use crate::store::rows::parse_json;
+use crate::store::rows::{parse_json, stream_closed};
 use crate::store::sqlite::DEFAULT_STREAM_CAPACITY;
 
 /// The stream's `(next_seq, total_bytes, capacity)`, its row locked (and
@@ -113,7 +113,10 @@ pub(super) async fn append_fitting<C: GenericClient>(
     append(tx, now, flow_id, stream, payloads, Oversized::Drop).await
 }
 
-/// Appends every entry, or refuses the write when one can never fit.
+/// Appends every entry, or refuses the write when one can never fit, or
+/// when the flow no longer runs. The flow's row is share-locked, so a stop
+/// commits before the check or after the append: a reader that saw the flow
+/// end and then read the stream to its end has every entry there will be.
 pub(super) async fn append_stream<C: GenericClient>(
     tx: &C,
     now: StoreMillis,
@@ -121,6 +124,20 @@ pub(super) async fn append_stream<C: GenericClient>(
     stream: &str,
     payloads: &[Json],
 ) -> TxResult<Vec<i64>> {
+    let status = query_opt(
+        tx,
+        "SELECT status FROM flows WHERE flow_id = $1 FOR SHARE",
+        &[&flow_id],
+    )
+    .await?
+    .map(|row| row.get::<_, String>(0));
+    match status.as_deref() {
+        Some("running") => {}
+        Some(status) => Err(stream_closed(flow_id, status))?,
+        None => Err(StoreError::NoSuchFlow {
+            flow_id: flow_id.to_string(),
+        })?,
+    }
     append(tx, now, flow_id, stream, payloads, Oversized::Refuse).await
 }
 

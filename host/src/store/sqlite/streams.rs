@@ -7,7 +7,7 @@ use super::sql::{cached_execute, cached_query_row};
 use super::DEFAULT_STREAM_CAPACITY;
 use crate::flow::store::StoreError;
 use crate::flow::types::{Json, StoreMillis, StreamEntry, StreamPage};
-use crate::store::rows::parse_json;
+use crate::store::rows::{parse_json, stream_closed};
 
 fn stream_meta(
     conn: &Connection,
@@ -91,7 +91,9 @@ pub(super) fn append_fitting(
     append(conn, now, flow_id, stream, payloads, Oversized::Drop)
 }
 
-/// Appends every entry, or refuses the write when one can never fit.
+/// Appends every entry, or refuses the write when one can never fit, or
+/// when the flow no longer runs: a reader that saw the flow end and then
+/// read the stream to its end has every entry there will be.
 pub(super) fn append_stream(
     conn: &Connection,
     now: StoreMillis,
@@ -99,6 +101,22 @@ pub(super) fn append_stream(
     stream: &str,
     payloads: &[Json],
 ) -> Result<Vec<i64>, StoreError> {
+    let status: Option<String> = cached_query_row(
+        conn,
+        "SELECT status FROM flows WHERE flow_id = ?1",
+        params![flow_id],
+        |row| row.get(0),
+    )
+    .optional()?;
+    match status.as_deref() {
+        Some("running") => {}
+        Some(status) => return Err(stream_closed(flow_id, status)),
+        None => {
+            return Err(StoreError::NoSuchFlow {
+                flow_id: flow_id.to_string(),
+            })
+        }
+    }
     append(conn, now, flow_id, stream, payloads, Oversized::Refuse)
 }
 
