@@ -49,6 +49,9 @@ guests/python/build.sh
 guests/js/build.sh
 guests/c/build.sh
 
+step "API client tools (openapi-spec-validator, openapi-python-client, from PyPI) for the OpenAPI checks"
+scripts/api-client-tools.sh
+
 step "PostgreSQL for the second store backend: Debian's postgresql, a throwaway cluster on 127.0.0.1 under target/"
 if [ -n "${DEXA_TEST_POSTGRES:-}" ]; then
     echo "using the server at DEXA_TEST_POSTGRES"

@@ -31,6 +31,8 @@ build() { # <source file> <world> <output name>
         return
     fi
     local started=$SECONDS
+    # componentize-js reports a syntax error without its place.
+    "$here/check-syntax.sh" "$src" || { log "$3: $1 does not parse (above)"; exit 1; }
     rm -f "$wasm.tmp"
     # The source comes first: -d takes every word up to the next option.
     node "$cli" "$src" --wit "$root/wit" --world-name "$world" -d http fetch-event -o "$wasm.tmp"

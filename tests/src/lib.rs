@@ -5,6 +5,7 @@
 //!   guest sent, with the Step tags the host attached;
 //! - [`step_tag`]: a tag for a test call.
 
+pub mod api_contract;
 pub mod api_server;
 pub mod chat_server;
 pub mod hostile;

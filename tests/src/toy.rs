@@ -475,3 +475,26 @@ where
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
+
+/// Creates flow `flow_id` of a type no worker here runs, straight in the
+/// store: a running flow whose streams a test may append to (a store takes
+/// live appends only for a running flow).
+pub async fn create_running_flow(store: &dyn FlowStore, flow_id: &str) {
+    store
+        .create_flow(
+            flow_id,
+            "Idle",
+            dexa::flow::NewTask {
+                step_type: "Start".into(),
+                input: serde_json::json!({}),
+                wait: None,
+                policy: dexa::flow::RetryPolicy::default(),
+                failure_route: None,
+                failure: None,
+                locks: Vec::new(),
+                not_before: 0,
+            },
+        )
+        .await
+        .unwrap_or_else(|err| panic!("create flow {flow_id}: {err}"));
+}

@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use dexa_tests::api_contract::Contract;
 use dexa_tests::api_server::{ApiServer, TEST_TOKEN};
 use eventsource_stream::Eventsource;
 use futures_util::StreamExt;
@@ -16,6 +17,8 @@ const TOKEN: &str = TEST_TOKEN;
 struct Served {
     base: String,
     http: reqwest::Client,
+    /// Every answer read through `call` or `send` is checked against it.
+    contract: std::sync::Arc<Contract>,
     _server: std::sync::Arc<ApiServer>,
 }
 
@@ -25,8 +28,8 @@ impl Served {
     }
 
     async fn call(&self, method: &str, path: &str, body: Option<Value>) -> (StatusCode, Value) {
-        let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
-        let mut request = self.http.request(method, self.url(path)).bearer_auth(TOKEN);
+        let verb = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
+        let mut request = self.http.request(verb, self.url(path)).bearer_auth(TOKEN);
         if let Some(body) = body {
             request = request.json(&body);
         }
@@ -34,6 +37,7 @@ impl Served {
         let status = response.status();
         let text = response.text().await.unwrap();
         let value = serde_json::from_str(&text).unwrap_or(Value::String(text));
+        self.contract.check(method, path, status.as_u16(), &value);
         (status, value)
     }
 
@@ -66,9 +70,19 @@ async fn serve() -> Served {
 /// `Helpdesk` playing `script`.
 async fn serve_script(script: Value) -> Served {
     let server = ApiServer::helpdesk(script).await;
+    let http = reqwest::Client::new();
+    let document: Value = http
+        .get(format!("{}/openapi.json", server.base))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     Served {
         base: server.base.clone(),
-        http: reqwest::Client::new(),
+        http,
+        contract: std::sync::Arc::new(Contract::new(document)),
         _server: std::sync::Arc::new(server),
     }
 }
@@ -569,6 +583,12 @@ impl Served {
         let status = response.status();
         let text = response.text().await.unwrap();
         let mut value = serde_json::from_str(&text).unwrap_or(Value::String(text));
+        self.contract.check(
+            "POST",
+            &format!("/v1/sessions/{session}/messages"),
+            status.as_u16(),
+            &value,
+        );
         without_message_id(status, &mut value);
         (status, value)
     }

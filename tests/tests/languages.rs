@@ -455,3 +455,34 @@ async fn the_polyglot_example_runs_with_dexa_demo() {
         assert!(stdout.contains(line), "missing {line:?} in:\n{stdout}");
     }
 }
+
+/// componentize-js says only "failed to parse JS source" for a syntax
+/// error; the JS build checks the source with Node first, which names the
+/// file and line.
+#[test]
+fn a_js_syntax_error_is_reported_with_its_file_and_line_before_componentize_js_runs() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let bad = dir.path().join("tool.js");
+    std::fs::write(
+        &bad,
+        "export function listTools() {\n  return [ };\n}\nexport function call(c) { return \"x\"; }\n",
+    )
+    .expect("write");
+    let check = repo_root().join("guests/js/check-syntax.sh");
+    let output = std::process::Command::new(&check)
+        .arg(&bad)
+        .output()
+        .expect("run check-syntax.sh");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&format!("{}:2", bad.display())) && stderr.contains("SyntaxError"),
+        "the file, the line and the error: {stderr}"
+    );
+    // A guest that parses passes.
+    let good = std::process::Command::new(&check)
+        .arg(repo_root().join("guests/js/tool/tool.js"))
+        .output()
+        .expect("run check-syntax.sh");
+    assert!(good.status.success(), "{good:?}");
+}

@@ -262,9 +262,12 @@ async fn a_commit_on_one_machine_wakes_waiters_on_another_without_polling() {
             .unwrap_or_else(|err| panic!("{err}"))
     };
     let (machine_a, machine_b) = (open().await, open().await);
+    // A store takes live appends only for a running flow; created before the
+    // waits are armed, so that only the commits below can wake them.
+    dexa_tests::toy::create_running_flow(&machine_a, "s").await;
 
     let signal = machine_b
-        .stream_signal("f")
+        .stream_signal("s")
         .expect("PostgreSQL pushes stream appends");
     let appended = signal.notified();
     tokio::pin!(appended);
@@ -276,7 +279,7 @@ async fn a_commit_on_one_machine_wakes_waiters_on_another_without_polling() {
 
     let started = Instant::now();
     machine_a
-        .append_stream("f", "events", vec![json!({"n": 1})])
+        .append_stream("s", "events", vec![json!({"n": 1})])
         .await
         .unwrap_or_else(|err| panic!("{err}"));
     tokio::time::timeout(Duration::from_secs(5), appended)

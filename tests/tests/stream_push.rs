@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use dexa::flow::FlowStore;
 use dexa::store::sqlite::SqliteStore;
+use dexa_tests::toy::create_running_flow;
 use serde_json::json;
 use tokio::sync::Notify;
 
@@ -40,6 +41,7 @@ async fn woken(
 async fn an_append_wakes_this_process_readers_of_that_flow_at_once() {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = open(dir.path());
+    create_running_flow(store.as_ref(), "f").await;
     let signal = store
         .stream_signal("f")
         .expect("SQLite pushes stream appends");
@@ -61,6 +63,7 @@ async fn an_append_wakes_this_process_readers_of_that_flow_at_once() {
 async fn another_process_append_wakes_the_readers_of_that_flow_only() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (writer, reader) = (open(dir.path()), open(dir.path()));
+    create_running_flow(writer.as_ref(), "f").await;
     let f = reader
         .stream_signal("f")
         .expect("SQLite pushes stream appends");
@@ -108,6 +111,7 @@ async fn an_append_whose_caller_went_away_still_wakes_its_readers() {
 
     let dir = tempfile::tempdir().expect("tempdir");
     let store = open(dir.path());
+    create_running_flow(store.as_ref(), "f").await;
     let signal = store
         .stream_signal("f")
         .expect("SQLite pushes stream appends");

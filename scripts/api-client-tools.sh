@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Installs the tools tests/tests/api_client.rs runs on /openapi.json, from
+# PyPI at the versions tests/api-client/requirements.txt pins, into a
+# virtualenv under target/api-client-tools (once; again when the pins
+# change). Prints the virtualenv's path.
+set -euo pipefail
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+venv="$root/target/api-client-tools"
+requirements="$root/tests/api-client/requirements.txt"
+
+command -v python3 >/dev/null || { echo "python3 is missing (3.10 or later, with the venv module)" >&2; exit 1; }
+if [ ! -x "$venv/bin/openapi-python-client" ] || [ "$requirements" -nt "$venv/.installed" ]; then
+    echo "installing $(grep -v '^#' "$requirements" | xargs) into $venv" >&2
+    rm -rf "$venv"
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install --quiet --disable-pip-version-check -r "$requirements"
+    touch "$venv/.installed"
+fi
+echo "$venv"
