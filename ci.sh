@@ -49,7 +49,7 @@ guests/python/build.sh
 guests/js/build.sh
 guests/c/build.sh
 
-step "API client tools (openapi-spec-validator, openapi-python-client, from PyPI) for the OpenAPI checks"
+step "API client tools (openapi-spec-validator, openapi-python-client, Schemathesis, from PyPI) for the OpenAPI checks"
 scripts/api-client-tools.sh
 
 step "PostgreSQL for the second store backend: Debian's postgresql, a throwaway cluster on 127.0.0.1 under target/"

@@ -14,7 +14,11 @@ dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 cp "$src" "$dir/check.mjs"
 if ! node --check "$dir/check.mjs" 2>"$dir/err"; then
-    # Name the author's file, not the copy.
-    sed "s|$dir/check.mjs|$src|g" "$dir/err" | grep -v '^    at ' >&2
+    # Name the author's file, not the copy (no sed: a path may hold its
+    # delimiters).
+    while IFS= read -r line; do
+        case $line in "    at "*) continue ;; esac
+        printf '%s\n' "${line//"$dir/check.mjs"/$src}"
+    done <"$dir/err" >&2
     exit 1
 fi

@@ -368,6 +368,15 @@ async fn errors_are_typed_json_with_the_right_status() {
             StatusCode::NOT_FOUND,
             "not_found",
         ),
+        // A path parameter that is not UTF-8: axum's own rejection, as the
+        // JSON error body like every other error.
+        (
+            "GET",
+            "/v1/sessions/%FF%FE".into(),
+            None,
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+        ),
         (
             "GET",
             "/v1/nothing-here".into(),

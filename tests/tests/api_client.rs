@@ -1,7 +1,10 @@
-//! The OpenAPI document as API clients meet it: it passes a validator, and
-//! a Python client generated from it by openapi-python-client (both from
-//! PyPI, pinned in tests/api-client/requirements.txt) drives a whole session
-//! with typed answers (tests/api-client/drive_session.py).
+//! The OpenAPI document as API clients meet it: it passes a validator, a
+//! Python client generated from it by openapi-python-client drives a whole
+//! session with typed answers (tests/api-client/drive_session.py), and a
+//! property-based tester (Schemathesis) finds every answer as the document
+//! says: schema-valid input accepted, schema-invalid input refused, every
+//! answer (SSE events too) matching its schema. The tools come from PyPI,
+//! pinned in tests/api-client/requirements.txt.
 
 use std::path::{Path, PathBuf};
 use std::process::Output;
@@ -116,4 +119,43 @@ async fn a_client_generated_from_the_openapi_document_drives_a_whole_session_wit
     .await;
     assert!(driven.status.success(), "the session: {}", said(&driven));
     assert!(said(&driven).contains("a whole session through the generated client: ok"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_property_based_tester_finds_every_answer_as_the_openapi_document_says() {
+    let venv = tools();
+    let server = ApiServer::helpdesk(json!({"turns": [
+        {"steps": [
+            {"tool_calls": [{"id": "pay", "name": "log", "arguments": {"name": "pay"}}]},
+            {"text": "paid"}
+        ]},
+        {"steps": [{"text": "hello again"}]}
+    ]}))
+    .await;
+    let config = repo_root().join("tests/api-client/schemathesis.toml");
+    let url = format!("{}/openapi.json", server.base);
+    let auth = format!("Authorization: Bearer {TEST_TOKEN}");
+    let dir = tempfile::tempdir().expect("tempdir");
+    // A fixed seed and a bounded number of cases: the same run every time.
+    let tested = tokio::process::Command::new(venv.join("bin/schemathesis"))
+        .current_dir(dir.path())
+        .args(["--config-file".as_ref(), config.as_os_str()])
+        .args([
+            "run",
+            &url,
+            "-H",
+            &auth,
+            "--checks",
+            "all",
+            "--seed",
+            "20261202",
+            "--max-examples",
+            "25",
+            "--generation-deterministic",
+        ])
+        .env("NO_COLOR", "1")
+        .output()
+        .await
+        .expect("run schemathesis");
+    assert!(tested.status.success(), "schemathesis: {}", said(&tested));
 }

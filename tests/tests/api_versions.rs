@@ -184,6 +184,12 @@ async fn bad_catalog_requests_get_typed_errors_and_change_nothing() {
             "bad_request",
         ),
         (
+            "/v1/agents/Helpdesk/activations",
+            json!({"role": "runner", "digest": gates, "ramp": 20.5}),
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+        ),
+        (
             // A tool component as the runner: the wrong world.
             "/v1/agents/Helpdesk/activations",
             json!({"role": "runner", "digest": gates}),

@@ -437,9 +437,25 @@ async fn streams_trim_to_their_capacity(factory: &dyn StoreFactory) {
         .await
         .expect("cursor");
     assert_eq!(tail.entries.len(), 2);
+    // Completed: its streams take no live appends.
+    let late = stack
+        .store
+        .append_stream("s", "events", vec![json!("late")])
+        .await;
+    assert!(
+        matches!(&late, Err(StoreError::FlowEnded { status, .. }) if status == "completed"),
+        "{late:?}"
+    );
+    // An entry larger than a running flow's stream can ever hold.
+    dexa_tests::toy::create_running_flow(stack.store.as_ref(), "t").await;
+    stack
+        .store
+        .set_stream_capacity("t", "events", 2_000)
+        .await
+        .expect("capacity");
     let too_big = stack
         .store
-        .append_stream("s", "events", vec![json!("y".repeat(3_000))])
+        .append_stream("t", "events", vec![json!("y".repeat(3_000))])
         .await;
     assert!(
         matches!(too_big, Err(StoreError::Conflict(_))),
@@ -1466,7 +1482,7 @@ async fn stopping_a_flow_keeps_its_state_readable(factory: &dyn StoreFactory) {
         .append_stream("stop-me", "events", vec![json!({"late": true})])
         .await;
     assert!(
-        matches!(&refused, Err(StoreError::Conflict(message)) if message.contains("stopped")),
+        matches!(&refused, Err(StoreError::FlowEnded { status, .. }) if status == "stopped"),
         "{refused:?}"
     );
     let page = stack

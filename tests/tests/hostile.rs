@@ -514,7 +514,7 @@ async fn what_a_guest_prints_reaches_the_session_as_guest_log_events_and_the_log
         .iter()
         .filter_map(|e| e.data["stream"].as_str())
         .collect();
-    assert_eq!(streams, ["stdout", "stderr"], "{logs:?}");
+    assert_eq!(streams, ["stderr", "stdout"], "{logs:?}");
     let step = &logs[0].step_execution_id;
     for event in &logs {
         assert_eq!(event.turn_id, "turn-1");
@@ -531,7 +531,7 @@ async fn what_a_guest_prints_reaches_the_session_as_guest_log_events_and_the_log
             .as_str()
             .is_some_and(|t| t.len() <= 17 << 10));
     }
-    assert!(logs[0].data["text"]
+    assert!(logs[1].data["text"]
         .as_str()
         .is_some_and(|t| t.starts_with("stdout: first line")));
     // The worker's log has both, tagged with the Step, each on one line: a
@@ -555,6 +555,19 @@ async fn what_a_guest_prints_reaches_the_session_as_guest_log_events_and_the_log
         log.lines()
             .all(|line| !line.starts_with("stderr: first line")),
         "a guest's line break was written raw"
+    );
+    // A call that traps: its stderr is in the error the worker logs, and in
+    // the guest_log line, escaped in both.
+    let end = first_turn(&sessions, "forger", "tool trap {}").await;
+    assert!(end.error.is_none(), "{end:?}");
+    let log = stack.worker_log(worker);
+    assert!(
+        log.contains("FORGED-LOG-LINE"),
+        "the trap's stderr is logged: {log:.2000}"
+    );
+    assert!(
+        log.lines().all(|line| !line.starts_with("FORGED-LOG-LINE")),
+        "a guest's line break started a log line: {log:.4000}"
     );
 }
 

@@ -1123,9 +1123,13 @@ async fn a_guests_stdout_and_stderr_become_guest_log_events_kept_to_a_cap_and_ne
         assert_eq!(output, "printed");
         let logs = guest_logs(&events, &tag);
         let streams: Vec<&str> = logs.iter().map(|(s, _, _)| s.as_str()).collect();
-        assert_eq!(streams, ["stdout", "stderr"], "{megabytes} MiB");
-        let (_, stdout, stdout_dropped) = &logs[0];
-        let (_, stderr, stderr_dropped) = &logs[1];
+        assert_eq!(
+            streams,
+            ["stderr", "stdout"],
+            "{megabytes} MiB: stderr first"
+        );
+        let (_, stderr, stderr_dropped) = &logs[0];
+        let (_, stdout, stdout_dropped) = &logs[1];
         assert!(stdout.starts_with("stdout: first line\n"), "{stdout:.100}");
         assert!(
             stderr.starts_with("stderr: first line\n\u{fffd}\u{fffd}\n"),

@@ -83,6 +83,46 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// Makes every error answer the JSON error body: axum's own rejections (a
+/// path parameter that is not UTF-8, a body over a route's limit) come as
+/// plain text, which a client generated from the OpenAPI document cannot
+/// read.
+pub(crate) async fn json_errors(response: Response) -> Response {
+    let status = response.status();
+    if !(status.is_client_error() || status.is_server_error()) {
+        return response;
+    }
+    let is_json = response
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|value| value.to_str().ok())
+        .is_some_and(|value| value.starts_with("application/json"));
+    if is_json {
+        return response;
+    }
+    let code = match status {
+        StatusCode::BAD_REQUEST => "bad_request",
+        StatusCode::UNAUTHORIZED => "unauthorized",
+        StatusCode::NOT_FOUND => "not_found",
+        StatusCode::METHOD_NOT_ALLOWED => "method_not_allowed",
+        StatusCode::PAYLOAD_TOO_LARGE => "payload_too_large",
+        StatusCode::UNSUPPORTED_MEDIA_TYPE => "unsupported_media_type",
+        StatusCode::SERVICE_UNAVAILABLE => "overloaded",
+        _ => "internal",
+    };
+    // Rejection texts are short; a long one is cut rather than held.
+    let text = axum::body::to_bytes(response.into_body(), 4096)
+        .await
+        .map(|bytes| String::from_utf8_lossy(&bytes).trim().to_string())
+        .unwrap_or_default();
+    let message = if text.is_empty() {
+        status.canonical_reason().unwrap_or("error").to_string()
+    } else {
+        text
+    };
+    ApiError::new(status, code, message).into_response()
+}
+
 impl From<StoreError> for ApiError {
     fn from(err: StoreError) -> Self {
         match &err {
@@ -90,6 +130,9 @@ impl From<StoreError> for ApiError {
                 Self::new(StatusCode::CONFLICT, "already_exists", err.to_string())
             }
             StoreError::NoSuchFlow { .. } => Self::not_found(err.to_string()),
+            StoreError::FlowEnded { .. } => {
+                Self::new(StatusCode::CONFLICT, "not_running", err.to_string())
+            }
             StoreError::Conflict(_) | StoreError::StaleLease { .. } => {
                 Self::new(StatusCode::CONFLICT, "conflict", err.to_string())
             }

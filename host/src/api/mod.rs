@@ -37,7 +37,7 @@ use crate::config::Deployment;
 use crate::flow::FlowInfo;
 use crate::session::{new_session_id, AgentSessionClient, ResolveInterruptRequest};
 
-/// Longest accepted session id.
+/// Longest accepted session id, in characters (at most 800 bytes).
 pub const MAX_SESSION_ID: usize = 200;
 pub use pages::{MAX_HISTORY_PAGE, MAX_SESSION_PAGE};
 /// The largest request body, in bytes; a larger one gets a typed 413
@@ -142,6 +142,7 @@ pub fn router(state: ApiState) -> Router {
         // Set here rather than left to axum's default, so that the limit is
         // a documented part of the API; `body` turns its rejection into JSON.
         .layer(DefaultBodyLimit::max(MAX_REQUEST_BODY_BYTES))
+        .layer(axum::middleware::map_response(error::json_errors))
         .with_state(state);
     // Outside the token check: a browser's preflight carries no token.
     let app = match cors {
@@ -301,9 +302,12 @@ struct StartSessionBody {
 }
 
 fn check_session_id(id: &str) -> Result<(), ApiError> {
-    if id.trim().is_empty() || id.len() > MAX_SESSION_ID || id.chars().any(char::is_control) {
+    if id.trim().is_empty()
+        || id.chars().count() > MAX_SESSION_ID
+        || id.chars().any(char::is_control)
+    {
         return Err(ApiError::bad_request(format!(
-            "session_id must be 1 to {MAX_SESSION_ID} bytes with no control characters"
+            "session_id must be 1 to {MAX_SESSION_ID} characters, not blank, with no control characters"
         )));
     }
     Ok(())

@@ -45,13 +45,23 @@ pub fn routes() -> Router<ApiState> {
         .route("/v1/agents/{agent}/rollback", post(roll_back))
 }
 
-fn actor(headers: &HeaderMap) -> String {
-    headers
-        .get(ACTOR_HEADER)
-        .and_then(|v| v.to_str().ok())
+/// The `X-Dexa-Actor` header: absent is `api`; one that is empty, over
+/// 200 characters or not printable ASCII is a 400, never replaced silently.
+fn actor(headers: &HeaderMap) -> Result<String, ApiError> {
+    let Some(value) = headers.get(ACTOR_HEADER) else {
+        return Ok("api".to_string());
+    };
+    value
+        .to_str()
+        .ok()
         .map(str::trim)
         .filter(|a| !a.is_empty() && a.len() <= 200)
-        .map_or_else(|| "api".to_string(), str::to_string)
+        .map(str::to_string)
+        .ok_or_else(|| {
+            ApiError::bad_request(
+                "X-Dexa-Actor must be 1 to 200 printable ASCII characters; nothing was done",
+            )
+        })
 }
 
 fn refused(err: ActivationRefused) -> ApiError {
@@ -110,7 +120,7 @@ async fn upload_component(
         &*state.deployment.catalog,
         bytes.to_vec(),
         "upload",
-        &actor(&headers),
+        &actor(&headers)?,
     )
     .await
     .map_err(refused)?;
@@ -142,12 +152,28 @@ pub struct ActivateBody {
     /// The version, already uploaded.
     pub digest: String,
     /// Send this percent of sessions (1-99) to it; absent: every new turn.
-    #[serde(default, deserialize_with = "super::not_null")]
+    #[serde(default, deserialize_with = "ramp_percent")]
     pub ramp: Option<u8>,
     #[serde(default)]
     pub upgrade_in_flight: bool,
     #[serde(default)]
     pub reason: String,
+}
+
+/// A ramp's percent: an integer, written as JSON writes it (`20` or
+/// `20.0`, as JSON Schema counts both integers); never `null`. Its range is
+/// checked with the mode.
+fn ramp_percent<'de, D>(deserializer: D) -> Result<Option<u8>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    let number = f64::deserialize(deserializer)?;
+    if number.fract() != 0.0 || !(0.0..=255.0).contains(&number) {
+        return Err(serde::de::Error::custom(format!(
+            "ramp must be a whole percent from 1 to 99, not {number}"
+        )));
+    }
+    Ok(Some(number as u8))
 }
 
 async fn run_activation(
@@ -197,7 +223,7 @@ async fn activate_version(
             source: VersionSource::Digest(digest),
             mode,
             upgrade_in_flight: request.upgrade_in_flight,
-            actor: actor(&headers),
+            actor: actor(&headers)?,
             reason: request.reason,
             after_seq: None,
         },
@@ -242,7 +268,7 @@ async fn roll_back(
             after_seq: Some(target.after_seq),
             mode: ActivationMode::Current,
             upgrade_in_flight: request.upgrade_in_flight,
-            actor: actor(&headers),
+            actor: actor(&headers)?,
         },
     )
     .await

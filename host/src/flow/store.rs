@@ -26,6 +26,10 @@ pub enum StoreError {
     FlowExists { flow_id: String },
     #[error("flow {flow_id} does not exist")]
     NoSuchFlow { flow_id: String },
+    /// A live append to a flow that no longer runs: its streams take no
+    /// more entries.
+    #[error("flow {flow_id} is {status}; its streams take no more entries")]
+    FlowEnded { flow_id: String, status: String },
     /// Messages the Step consumed were taken by someone else first.
     #[error("conflict: {0}")]
     Conflict(String),

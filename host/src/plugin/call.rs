@@ -278,9 +278,11 @@ impl Call {
     /// What the guest printed, as `guest_log` events (charged to the call's
     /// event budget like any event) and as log lines tagged with the Step.
     fn hand_over_logs(&self) {
+        // stderr first: when the event budget runs short, the crash
+        // reason is the one to keep.
         for (stream, pipe) in [
-            (LogStream::Stdout, &self.stdout),
             (LogStream::Stderr, &self.stderr),
+            (LogStream::Stdout, &self.stdout),
         ] {
             let (text, dropped_bytes) = pipe.contents();
             if text.is_empty() && dropped_bytes == 0 {

@@ -111,11 +111,14 @@ impl CallError {
     }
 }
 
+/// The guest's stderr in an error's text, escaped (`\n`, control
+/// characters): the text goes to one-line logs, where a guest's line break
+/// must not start a line of its own.
 fn stderr_suffix(stderr: &str) -> String {
     let trimmed = stderr.trim();
     if trimmed.is_empty() {
         String::new()
     } else {
-        format!("; guest stderr: {trimmed}")
+        format!("; guest stderr: {}", trimmed.escape_debug())
     }
 }

@@ -16,7 +16,7 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
 use super::records::{event_type, AgentEvent, AGENT_EVENTS, ORIGIN_GUEST};
-use crate::flow::{Heartbeat, Json, StepContext};
+use crate::flow::{Heartbeat, Json, StepContext, StoreError};
 use crate::plugin::{
     EventSink, GuestEvent, HeartbeatSink, StepTag, TaggedEvent, EVENT_ENVELOPE_BYTES,
 };
@@ -432,8 +432,20 @@ impl StepEvents {
                     let batch = drained.take(MAX_FLUSH_ENTRIES);
                     if !batch.is_empty() {
                         // Events are best effort; a reader rebuilds from the snapshot.
-                        if let Err(err) = store.append_stream(&flow_id, AGENT_EVENTS, batch).await {
-                            tracing::warn!(flow_id, error = %err, "dropping live events");
+                        match store.append_stream(&flow_id, AGENT_EVENTS, batch).await {
+                            Ok(_) => {}
+                            // Stopped, failed or completed under this Step:
+                            // nothing more is taken, so stop trying.
+                            Err(StoreError::FlowEnded { .. }) => {
+                                tracing::debug!(
+                                    flow_id,
+                                    "the session has ended; its live events are dropped"
+                                );
+                                break;
+                            }
+                            Err(err) => {
+                                tracing::warn!(flow_id, error = %err, "dropping live events")
+                            }
                         }
                     }
                     // A bounded flush may leave entries behind: flush again
@@ -512,12 +524,19 @@ impl StepEvents {
             if !self.buffer.has_pending() {
                 return batch;
             }
-            if let Err(err) = self
+            match self
                 .store
                 .append_stream(&self.flow_id, AGENT_EVENTS, batch)
                 .await
             {
-                tracing::warn!(flow_id = %self.flow_id, error = %err, "dropping live events");
+                Ok(_) => {}
+                Err(StoreError::FlowEnded { .. }) => {
+                    tracing::debug!(flow_id = %self.flow_id, "the session has ended; its live events are dropped");
+                    return Vec::new();
+                }
+                Err(err) => {
+                    tracing::warn!(flow_id = %self.flow_id, error = %err, "dropping live events")
+                }
             }
         }
     }

@@ -128,7 +128,8 @@ pub(crate) fn to_record(digest: &str, text: String) -> Result<ComponentRecord, S
 
 /// The refusal of a live append to a flow that has ended (both backends).
 pub(crate) fn stream_closed(flow_id: &str, status: &str) -> StoreError {
-    StoreError::Conflict(format!(
-        "flow {flow_id} is {status}; its streams take no more entries"
-    ))
+    StoreError::FlowEnded {
+        flow_id: flow_id.to_string(),
+        status: status.to_string(),
+    }
 }

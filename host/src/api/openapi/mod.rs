@@ -14,13 +14,17 @@ use crate::session::{
     MAX_USER_MESSAGE_BYTES,
 };
 
-/// The answers every operation can give besides its own: a 500, and a 503
-/// when the store is down or the API's connections are all taken.
-const ALWAYS: [u16; 2] = [500, 503];
+/// The answers every operation can give besides its own: a 400 for a path
+/// or query the server cannot read, a 500, and a 503 when the store is down
+/// or the API's connections are all taken.
+const ALWAYS: [u16; 3] = [400, 500, 503];
 
 fn error_responses(codes: &[u16]) -> Value {
     let mut responses = serde_json::Map::new();
-    for code in codes.iter().chain(ALWAYS.iter()) {
+    let mut all: Vec<u16> = codes.iter().chain(ALWAYS.iter()).copied().collect();
+    all.sort_unstable();
+    all.dedup();
+    for code in &all {
         let description = match code {
             400 => "Bad input: the body, a query parameter or a header is invalid",
             401 => "No valid bearer token",
@@ -87,8 +91,8 @@ pub fn document() -> Value {
                 "operationId": "listSessions", "summary": "Sessions, newest first, paged by cursor",
                 "parameters": [
                     {"name": "agent", "in": "query", "schema": {"type": "string"}},
-                    {"name": "cursor", "in": "query", "description": "The `next_cursor` of the page before, as it was given; another is a 400 `invalid_cursor`", "schema": {"type": "string"}},
-                    {"name": "limit", "in": "query", "description": format!("How many sessions; clamped to 1..{MAX_SESSION_PAGE} (0 lists one, a larger one lists {MAX_SESSION_PAGE})"), "schema": {"type": "integer", "default": 100}}
+                    {"name": "cursor", "in": "query", "description": "The `next_cursor` of the page before, as it was given; another is a 400 `invalid_cursor`", "schema": {"type": "string", "minLength": 1, "pattern": "^[A-Za-z0-9_-]+$"}},
+                    {"name": "limit", "in": "query", "description": format!("How many sessions; clamped to 1..{MAX_SESSION_PAGE} (0 lists one, a larger one lists {MAX_SESSION_PAGE})"), "schema": {"type": "integer", "minimum": i64::MIN, "maximum": i64::MAX, "default": 100}}
                 ],
                 "responses": with_errors(json!({"200": json_ok("Sessions", "SessionList")}), &[400, 401, 404])
             }},
@@ -102,8 +106,8 @@ pub fn document() -> Value {
                     "operationId": "listAgentMessages", "summary": "Messages oldest first, paged",
                     "parameters": [
                         session_param(),
-                        {"name": "after_sequence", "in": "query", "schema": {"type": "integer", "minimum": 0}},
-                        {"name": "limit", "in": "query", "description": format!("How many messages; clamped to 1..{MAX_MESSAGE_PAGE}, as the spec says"), "schema": {"type": "integer", "default": 50}}
+                        {"name": "after_sequence", "in": "query", "schema": {"type": "integer", "minimum": 0, "maximum": u64::MAX}},
+                        {"name": "limit", "in": "query", "description": format!("How many messages; clamped to 1..{MAX_MESSAGE_PAGE}, as the spec says"), "schema": {"type": "integer", "minimum": i64::MIN, "maximum": i64::MAX, "default": 50}}
                     ],
                     "responses": with_errors(json!({"200": json_ok("A page", "AgentMessagesPage")}), &[400, 401, 404])
                 },
@@ -148,7 +152,7 @@ pub fn document() -> Value {
                 "operationId": "cancelTurn", "summary": "Cancel the running turn",
                 "description": "The turn's running guest calls are stopped on whichever worker runs them; its unfinished tool calls are recorded `cancelled` (a single-attempt write that had started, `outcome_unknown`); a note listing them goes into the history and `turn_cancelled` ends the turn. Queued messages stay queued and the session goes on.",
                 "parameters": [session_param()],
-                "responses": with_errors(json!({"200": json_ok("Whether a turn was running and is being cancelled", "TurnCancel")}), &[401, 404, 409])
+                "responses": with_errors(json!({"200": json_ok("Whether a turn was running and is being cancelled", "TurnCancel")}), &[400, 401, 404, 409])
             }},
             "/v1/sessions/{session_id}/stop": {"post": {
                 "operationId": "stopSession", "summary": "Stop the session; its state stays readable",
@@ -158,8 +162,8 @@ pub fn document() -> Value {
             "/v1/sessions/{session_id}/history": {"get": {
                 "operationId": "getStepHistory", "summary": "Completed and failed Steps, oldest first, paged by cursor",
                 "parameters": [session_param(),
-                    {"name": "after", "in": "query", "description": "The `next_after` of the page before", "schema": {"type": "integer"}},
-                    {"name": "limit", "in": "query", "description": format!("How many entries; clamped to 1..{MAX_HISTORY_PAGE}"), "schema": {"type": "integer", "default": MAX_HISTORY_PAGE}}],
+                    {"name": "after", "in": "query", "description": "The `next_after` of the page before", "schema": {"type": "integer", "minimum": i64::MIN, "maximum": i64::MAX}},
+                    {"name": "limit", "in": "query", "description": format!("How many entries; clamped to 1..{MAX_HISTORY_PAGE}"), "schema": {"type": "integer", "minimum": i64::MIN, "maximum": i64::MAX, "default": MAX_HISTORY_PAGE}}],
                 "responses": with_errors(json!({"200": json_ok("The Step history", "StepHistory")}), &[400, 401, 404])
             }},
             "/v1/components": {
@@ -171,8 +175,8 @@ pub fn document() -> Value {
                     "operationId": "uploadComponent",
                     "summary": "Verify a runner or tool component (its world, compiled, pre-instantiated, list-tools) and add it; idempotent by digest",
                     "requestBody": {"required": true, "description": "The component's bytes, as they are; any content type", "content": {
-                        "application/wasm": {"schema": {"type": "string", "format": "binary"}},
-                        "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
+                        "application/wasm": {"schema": {"type": "string", "format": "binary", "minLength": 1}},
+                        "application/octet-stream": {"schema": {"type": "string", "format": "binary", "minLength": 1}}}},
                     "responses": with_errors(json!({
                         "201": json_ok("Added", "ComponentAdded"),
                         "200": json_ok("Already in the catalog", "ComponentAdded")
@@ -188,7 +192,7 @@ pub fn document() -> Value {
                 "operationId": "activateVersion",
                 "summary": "Verify an uploaded version for a role and activate it for new turns (or a ramp); a refusal (422) changes nothing",
                 "parameters": [{"name": "agent", "in": "path", "required": true, "schema": {"type": "string"}},
-                    {"name": "X-Dexa-Actor", "in": "header", "required": false, "description": "Who the log records (default `api`)", "schema": {"type": "string", "maxLength": 200}}],
+                    {"name": "X-Dexa-Actor", "in": "header", "required": false, "description": "Who the log records (default `api`): 1 to 200 printable characters; another is a 400", "schema": {"type": "string", "minLength": 1, "maxLength": 200, "pattern": "^[\\x21-\\x7E]([\\x20-\\x7E]*[\\x21-\\x7E])?$"}}],
                 "requestBody": json_body("Activate"),
                 "responses": with_errors(json!({"201": json_ok("Activated", "Activated")}), &[400, 401, 404, 413, 415, 422])
             }},
@@ -196,7 +200,7 @@ pub fn document() -> Value {
                 "operationId": "rollBack",
                 "summary": "Activate the version that was current before (or end a ramp)",
                 "parameters": [{"name": "agent", "in": "path", "required": true, "schema": {"type": "string"}},
-                    {"name": "X-Dexa-Actor", "in": "header", "required": false, "schema": {"type": "string", "maxLength": 200}}],
+                    {"name": "X-Dexa-Actor", "in": "header", "required": false, "description": "As for activations", "schema": {"type": "string", "minLength": 1, "maxLength": 200, "pattern": "^[\\x21-\\x7E]([\\x20-\\x7E]*[\\x21-\\x7E])?$"}}],
                 "requestBody": json_body("Rollback"),
                 "responses": with_errors(json!({"201": json_ok("Activated", "Activated")}), &[400, 401, 404, 409, 413, 415, 422])
             }},
@@ -206,8 +210,8 @@ pub fn document() -> Value {
                 "description": "Once the session has ended (stopped, failed or completed) and every event is sent, a last event named `session_ended`, with the last event's id (0 when there was none) and data `SessionEnded`, ends the stream. A reconnect with `Last-Event-ID` to an ended session with nothing left to send is answered 204, which tells a browser's EventSource to stop reconnecting.",
                 "parameters": [
                     session_param(),
-                    {"name": "Last-Event-ID", "in": "header", "schema": {"type": "integer"}},
-                    {"name": "after", "in": "query", "schema": {"type": "integer"}}
+                    {"name": "Last-Event-ID", "in": "header", "schema": {"type": "integer", "minimum": i64::MIN, "maximum": i64::MAX}},
+                    {"name": "after", "in": "query", "schema": {"type": "integer", "minimum": i64::MIN, "maximum": i64::MAX}}
                 ],
                 "responses": with_errors(json!({
                     "200": {"description": "The event stream; it ends after `session_ended`, or when the store fails (reconnect with Last-Event-ID)", "content": {"text/event-stream": {"schema": {"$ref": "#/components/schemas/EventStream"}}}},

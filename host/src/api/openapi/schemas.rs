@@ -75,8 +75,9 @@ pub(super) fn schemas() -> Value {
 fn requests() -> Value {
     json!({
         "StartSession": {"type": "object", "additionalProperties": false, "properties": {
-            "session_id": {"type": "string", "minLength": 1, "maxLength": MAX_SESSION_ID, "pattern": "\\S",
-                "description": format!("Generated when absent. 1 to {MAX_SESSION_ID} bytes of UTF-8, not blank, no control characters; another (or null) is a 400")},
+            "session_id": {"type": "string", "minLength": 1, "maxLength": MAX_SESSION_ID,
+                "pattern": "^[^\\u0000-\\u001F\\u007F-\\u009F]*[^\\s\\u0000-\\u001F\\u007F-\\u009F][^\\u0000-\\u001F\\u007F-\\u009F]*$",
+                "description": format!("Generated when absent. 1 to {MAX_SESSION_ID} characters, not blank, no control characters; another (or null) is a 400")},
             "message": {"type": "string", "description": format!("At most {MAX_USER_MESSAGE_BYTES} bytes of UTF-8; blank (the default) starts no turn")}}},
         "SendMessage": {"type": "object", "required": ["text"], "additionalProperties": false, "properties": {
             "text": {"type": "string", "minLength": 1, "pattern": "\\S", "description": format!("At most {MAX_USER_MESSAGE_BYTES} bytes of UTF-8; a blank text is a 400 and nothing is queued")},
@@ -86,13 +87,13 @@ fn requests() -> Value {
             "approved": {"type": "boolean"},
             "rejection_message": {"type": ["string", "null"], "description": "What the model reads for a rejection; ignored for an approval"}}},
         "Activate": {"type": "object", "required": ["role", "digest"], "additionalProperties": false, "properties": {
-            "role": {"type": "string", "description": "`runner`, or a tool component's name in dexa.toml"},
-            "digest": {"type": "string", "description": "64 hex digits of an uploaded version"},
+            "role": {"type": "string", "minLength": 1, "description": "`runner`, or a tool component's name in dexa.toml"},
+            "digest": {"type": "string", "pattern": "^[0-9a-fA-F]{64}$", "description": "64 hex digits of an uploaded version"},
             "ramp": {"type": "integer", "minimum": 1, "maximum": 99, "description": "Percent of sessions (stable by session id); absent: every new turn"},
             "upgrade_in_flight": {"type": "boolean", "default": false, "description": "Move turns pinned to another runner at their next RunModel"},
             "reason": {"type": "string", "default": ""}}},
         "Rollback": {"type": "object", "additionalProperties": false, "properties": {
-            "role": {"type": "string", "description": "`runner` (default) or a tool component's name"},
+            "role": {"type": "string", "minLength": 1, "description": "`runner` (default) or a tool component's name"},
             "upgrade_in_flight": {"type": "boolean", "default": false}, "reason": {"type": "string", "default": ""}}},
     })
 }
@@ -198,14 +199,14 @@ fn history_and_events() -> Value {
         "EventType": {"type": "string", "enum": host_event_types(), "description": "The host's own event types"},
         "AgentEvent": {"type": "object", "required": ["type", "turn_id", "step_execution_id", "attempt", "data"], "properties": {
             "type": {"anyOf": [r("EventType"), {"type": "string", "description": "A guest's own event type (`origin` is `guest`)"}]},
-            "turn_id": {"type": "string"}, "step_execution_id": {"type": "string", "description": "Shared by every attempt of one Step execution"},
-            "attempt": {"type": "integer", "minimum": 1},
+            "turn_id": {"type": "string"}, "step_execution_id": {"type": "string", "description": "Shared by every attempt of one Step execution; empty on an event written outside a Step (`turn_cancel_requested`)"},
+            "attempt": {"type": "integer", "minimum": 0, "description": "The Step attempt; 0 outside a Step"},
             "origin": {"type": "string", "enum": ["guest"], "description": "Only on an event a component wrote during its call"},
             "data": {"type": "object", "description": "By type, as the README lists; a guest's own event's payload is its own"}}},
-        "EventStream": {"type": "array", "description": "The stream as a sequence of Server-Sent Events (the OpenAPI 3.1 convention for sequential media): each item is one event's fields", "items": {"oneOf": [r("SseAgentEvent"), r("SseSessionEnded")]}},
+        "EventStream": {"description": "One Server-Sent Event of the stream, by its fields (the schema of each item of a sequential media type)", "oneOf": [r("SseAgentEvent"), r("SseSessionEnded")]},
         "SseAgentEvent": {"type": "object", "required": ["id", "event", "data"], "properties": {
             "id": {"type": "string", "description": "The event's sequence; send it back as Last-Event-ID"},
-            "event": {"type": "string", "description": "The event's type"},
+            "event": {"type": "string", "not": {"const": "session_ended"}, "description": "The event's type"},
             "data": {"type": "string", "contentMediaType": "application/json", "contentSchema": r("AgentEvent")}}},
         "SseSessionEnded": {"type": "object", "required": ["id", "event", "data"], "properties": {
             "id": {"type": "string", "description": "The last event's sequence (0 when there was none)"},

@@ -186,24 +186,15 @@ impl SessionSteps {
                 }
                 // A host call refused what the guest passed (or the guest
                 // exited): the host wrote `reason`, which the model may
-                // read; what the guest wrote to stderr goes to the log only.
+                // read; what the guest wrote to stderr is in its guest_log
+                // event and the `dexa::guest` log line only.
                 Err(CallError::Trapped {
                     component,
                     export,
                     reason,
-                    guest_stderr,
                     by_guest: false,
+                    ..
                 }) => {
-                    if !guest_stderr.is_empty() {
-                        tracing::info!(
-                            flow_id = %ctx.flow_id(),
-                            step_execution_id = %ctx.step_execution_id(),
-                            attempt = ctx.attempt(),
-                            %component,
-                            %guest_stderr,
-                            "the failed tool call's stderr"
-                        );
-                    }
                     return Err(retryable(format!(
                         "component `{component}`: `{export}` failed: {reason}"
                     )));
