@@ -3,10 +3,8 @@
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
-use std::time::Duration;
-
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Path, Query, State};

@@ -111,14 +111,38 @@ impl CallError {
     }
 }
 
-/// The guest's stderr in an error's text, escaped (`\n`, control
-/// characters): the text goes to one-line logs, where a guest's line break
-/// must not start a line of its own.
+/// The guest's stderr in an error's text, its control characters escaped
+/// (`\n`, `\u{1b}`) and nothing else: the text goes to one-line logs, where
+/// a guest's line break must not start a line of its own, and to the Step
+/// history, which keeps the rest (quotes too) as the guest wrote it.
 fn stderr_suffix(stderr: &str) -> String {
     let trimmed = stderr.trim();
     if trimmed.is_empty() {
-        String::new()
-    } else {
-        format!("; guest stderr: {}", trimmed.escape_debug())
+        return String::new();
+    }
+    let mut escaped = String::with_capacity(trimmed.len());
+    for c in trimmed.chars() {
+        if c.is_control() {
+            escaped.extend(c.escape_default());
+        } else {
+            escaped.push(c);
+        }
+    }
+    format!("; guest stderr: {escaped}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stderr_in_an_error_keeps_one_line_and_the_guests_quotes() {
+        let suffix = stderr_suffix("Traceback:\n  PermissionError: '/data/x'\r\n\u{1b}[31mred\n");
+        assert_eq!(
+            suffix,
+            "; guest stderr: Traceback:\\n  PermissionError: '/data/x'\\r\\n\\u{1b}[31mred"
+        );
+        assert!(!suffix.contains('\n'));
+        assert_eq!(stderr_suffix("  \n "), "");
     }
 }
