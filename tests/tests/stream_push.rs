@@ -110,28 +110,52 @@ async fn an_append_whose_caller_went_away_still_wakes_its_readers() {
     use futures_util::FutureExt;
 
     let dir = tempfile::tempdir().expect("tempdir");
-    let store = open(dir.path());
+    let sqlite = Arc::new(
+        SqliteStore::open(dir.path().join("store.sqlite"), Default::default())
+            .unwrap_or_else(|err| panic!("{err}")),
+    );
+    let store: Arc<dyn FlowStore> = sqlite.clone();
     create_running_flow(store.as_ref(), "f").await;
     let signal = store
         .stream_signal("f")
         .expect("SQLite pushes stream appends");
-    let started = Instant::now();
-    let append = async {
-        // Polled once, which queues the write, then dropped before its
-        // answer: the caller never gets to wake anyone.
-        let pending = store
-            .append_stream("f", "events", vec![json!({"n": 1})])
-            .now_or_never();
-        assert!(pending.is_none(), "the write was still on its way");
-    };
-    assert!(
-        woken(&signal, append, PATIENCE).await,
-        "the reader was woken"
-    );
-    eprintln!("woken after a dropped append in {:?}", started.elapsed());
-    let page = store
-        .read_stream("f", "events", 0, 10)
+    // The writer is held, so the append queued below cannot have been
+    // answered by the time it is dropped: without the hold a fast writer
+    // thread sometimes answered within the one poll.
+    sqlite
+        .hold_writer_for_test(Duration::from_millis(200))
         .await
         .unwrap_or_else(|err| panic!("{err}"));
-    assert_eq!(page.entries.len(), 1, "the append committed");
+    let started = Instant::now();
+    // Polled once, which queues the write, then dropped before its answer:
+    // the caller never gets to wake anyone.
+    let pending = store
+        .append_stream("f", "events", vec![json!({"n": 1})])
+        .now_or_never();
+    assert!(pending.is_none(), "the write was still on its way");
+    // As an event stream reads: arm the signal, read, and wait for the
+    // signal while the entry is not there. A wake before the commit (the
+    // watch's first look) is harmless; no wake after it would leave the
+    // reader asleep, and this loop would time out.
+    loop {
+        let notified = signal.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        let page = store
+            .read_stream("f", "events", 0, 10)
+            .await
+            .unwrap_or_else(|err| panic!("{err}"));
+        if page.entries.len() == 1 {
+            break;
+        }
+        assert!(
+            tokio::time::timeout(PATIENCE, notified).await.is_ok(),
+            "the reader was woken after the commit"
+        );
+    }
+    eprintln!("woken after a dropped append in {:?}", started.elapsed());
+    assert!(
+        started.elapsed() >= Duration::from_millis(150),
+        "the entry came after the held writer let go"
+    );
 }
