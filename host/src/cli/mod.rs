@@ -9,6 +9,8 @@ pub mod bench_swap;
 pub mod bench_turn;
 pub mod chat;
 pub mod demo;
+pub mod new;
+pub mod project;
 pub mod serve;
 pub mod session;
 pub mod signals;
@@ -104,6 +106,12 @@ pub enum Command {
     Session(session::SessionArgs),
     /// Run the Steps of every agent in dexa.toml until stopped.
     Worker(worker::WorkerArgs),
+    /// Make a component project: a tool or a runner in Rust, Python or
+    /// JavaScript, with its WIT, build script and one test, ready to build.
+    New(new::NewArgs),
+    /// Build the component project in a directory (its build.sh), then load
+    /// the component as a worker would.
+    Build(project::BuildArgs),
     /// Check dexa.toml as a worker's start would (components, grants,
     /// variables, models) without starting one; exits 1 with file:line
     /// errors. For CI pipelines.
@@ -255,6 +263,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Demo(args) => demo::run(args).await,
         Command::Worker(args) => worker::run(args).await,
         Command::Check(args) => check(args).await,
+        Command::New(args) => new::run(args),
+        Command::Build(args) => project::build(args).await,
         Command::Serve(args) => serve::run(args).await,
         Command::Chat(args) => chat::run(args).await,
         Command::Session(args) => session::run(args).await,
@@ -278,11 +288,23 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
 }
 
 async fn inspect(args: InspectArgs) -> anyhow::Result<()> {
-    let engine = engine(&args.engine)?;
-    let settings = ComponentSettings::named(component_name(&args.path));
-    let report = match args.world {
+    let report = describe(&args.engine, args.world, &args.path).await?;
+    println!("{}", serde_json::to_string_pretty(&report)?);
+    Ok(())
+}
+
+/// Loads the component at `path` for `world`, as a worker would, and
+/// describes it (its tools, for a tool component).
+async fn describe(
+    engine_args: &EngineArgs,
+    world: WorldArg,
+    path: &std::path::Path,
+) -> anyhow::Result<serde_json::Value> {
+    let engine = engine(engine_args)?;
+    let settings = ComponentSettings::named(component_name(path));
+    let report = match world {
         WorldArg::Runner => {
-            let runner = engine.load_runner_file(&args.path, settings)?;
+            let runner = engine.load_runner_file(path, settings)?;
             let info = runner.info();
             serde_json::json!({
                 "name": info.name, "world": info.world.name(), "sha256": info.sha256,
@@ -291,7 +313,7 @@ async fn inspect(args: InspectArgs) -> anyhow::Result<()> {
             })
         }
         WorldArg::Tool => {
-            let tool = engine.load_tool_file(&args.path, settings).await?;
+            let tool = engine.load_tool_file(path, settings).await?;
             let info = tool.info();
             let tools: Vec<_> = tool
                 .tools()
@@ -314,8 +336,7 @@ async fn inspect(args: InspectArgs) -> anyhow::Result<()> {
             })
         }
     };
-    println!("{}", serde_json::to_string_pretty(&report)?);
-    Ok(())
+    Ok(report)
 }
 
 async fn call(args: CallArgs) -> anyhow::Result<()> {
