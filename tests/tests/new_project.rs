@@ -262,11 +262,13 @@ fn new_project_builds_passes_its_test_and_runs(case: Case) {
 }
 
 /// The last line of `file` in the tool project, after a line is appended.
+/// The component's own source, its entry: componentize-js names the file
+/// and line of an error in a module it imports, not in the entry.
 fn last_line(lang: &str, file: &str) -> usize {
     let template = match (lang, file) {
-        ("rust", "src/stats.rs") => include_str!("../../host/templates/rust/tool/src/stats.rs"),
-        ("python", "stats.py") => include_str!("../../host/templates/python/tool/stats.py"),
-        ("js", "src/stats.js") => include_str!("../../host/templates/js/tool/src/stats.js"),
+        ("rust", "src/lib.rs") => include_str!("../../host/templates/rust/tool/src/lib.rs"),
+        ("python", "app.py") => include_str!("../../host/templates/python/tool/app.py"),
+        ("js", "src/component.js") => include_str!("../../host/templates/js/tool/src/component.js"),
         _ => panic!("no template {lang} {file}"),
     };
     template.lines().count() + 1
@@ -274,23 +276,23 @@ fn last_line(lang: &str, file: &str) -> usize {
 
 #[test]
 fn a_new_rust_project_builds_passes_its_test_and_runs() {
-    let line = last_line("rust", "src/stats.rs");
+    let line = last_line("rust", "src/lib.rs");
     new_project_builds_passes_its_test_and_runs(Case {
         lang: "rust",
         // The std for wasm32-wasip2 that guests/build.sh compiled, shared.
         tool_env: vec![("CARGO_TARGET_DIR", repo_root().join("target/wasm"))],
         runner_env: vec![("CARGO_TARGET_DIR", repo_root().join("target/wasm"))],
         broken: (
-            "src/stats.rs",
+            "src/lib.rs",
             "fn broken() -> u32 { \"text\" }\n",
-            format!("src/stats.rs:{line}"),
+            format!("src/lib.rs:{line}"),
         ),
     });
 }
 
 #[test]
 fn a_new_python_project_builds_passes_its_test_and_runs() {
-    let line = last_line("python", "stats.py");
+    let line = last_line("python", "app.py");
     new_project_builds_passes_its_test_and_runs(Case {
         lang: "python",
         // The tool installs its own toolchain, as a new project does; the
@@ -301,24 +303,24 @@ fn a_new_python_project_builds_passes_its_test_and_runs() {
             repo_root().join("target/guest-toolchains/python"),
         )],
         broken: (
-            "stats.py",
+            "app.py",
             "def broken(:\n",
-            format!("File \"stats.py\", line {line}"),
+            format!("File \"app.py\", line {line}"),
         ),
     });
 }
 
 #[test]
 fn a_new_javascript_project_builds_passes_its_test_and_runs() {
-    let line = last_line("js", "src/stats.js");
+    let line = last_line("js", "src/component.js");
     new_project_builds_passes_its_test_and_runs(Case {
         lang: "js",
         tool_env: vec![],
         runner_env: vec![],
         broken: (
-            "src/stats.js",
+            "src/component.js",
             "export function broken() { return [ }; }\n",
-            format!("src/stats.js:{line}"),
+            format!("src/component.js:{line}"),
         ),
     });
 }
