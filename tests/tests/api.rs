@@ -420,12 +420,15 @@ async fn errors_are_typed_json_with_the_right_status() {
 }
 
 /// Reads SSE events until `stop` accepts one; returns (id, type, data).
-async fn read_sse(
+/// Opens the session's event stream (resuming after `last_event_id`),
+/// checking that it is a 200 `text/event-stream`.
+async fn open_sse(
     served: &Served,
     session: &str,
     last_event_id: Option<&str>,
-    stop: impl Fn(&str) -> bool,
-) -> Vec<(String, String, Value)> {
+) -> impl futures_util::Stream<
+    Item = Result<eventsource_stream::Event, eventsource_stream::EventStreamError<reqwest::Error>>,
+> {
     let mut request = served
         .http
         .get(served.url(&format!("/v1/sessions/{session}/events")))
@@ -442,7 +445,16 @@ async fn read_sse(
             .and_then(|v| v.to_str().ok()),
         Some("text/event-stream")
     );
-    let mut stream = response.bytes_stream().eventsource();
+    response.bytes_stream().eventsource()
+}
+
+async fn read_sse(
+    served: &Served,
+    session: &str,
+    last_event_id: Option<&str>,
+    stop: impl Fn(&str) -> bool,
+) -> Vec<(String, String, Value)> {
+    let mut stream = open_sse(served, session, last_event_id).await;
     let mut seen = Vec::new();
     loop {
         let event = tokio::time::timeout(Duration::from_secs(20), stream.next())
@@ -1040,16 +1052,7 @@ async fn read_sse_to_end(
     session: &str,
     last_event_id: Option<&str>,
 ) -> Vec<(String, String, Value)> {
-    let mut request = served
-        .http
-        .get(served.url(&format!("/v1/sessions/{session}/events")))
-        .bearer_auth(TOKEN);
-    if let Some(id) = last_event_id {
-        request = request.header("Last-Event-ID", id);
-    }
-    let response = request.send().await.unwrap();
-    assert_eq!(response.status(), StatusCode::OK);
-    let mut stream = response.bytes_stream().eventsource();
+    let mut stream = open_sse(served, session, last_event_id).await;
     let mut seen = Vec::new();
     loop {
         let next = tokio::time::timeout(Duration::from_secs(30), stream.next())

@@ -48,17 +48,23 @@ fn said(output: &Output) -> String {
     )
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_client_generated_from_the_openapi_document_drives_a_whole_session_with_typed_answers() {
-    let venv = tools();
-    let server = ApiServer::helpdesk(json!({"turns": [
+/// The Helpdesk agent on a script of two turns: a tool call (which waits
+/// for an approval) and its answer, then a plain answer.
+async fn serve() -> ApiServer {
+    ApiServer::helpdesk(json!({"turns": [
         {"steps": [
             {"tool_calls": [{"id": "pay", "name": "log", "arguments": {"name": "pay"}}]},
             {"text": "paid"}
         ]},
         {"steps": [{"text": "hello again"}]}
     ]}))
-    .await;
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_generated_from_the_openapi_document_drives_a_whole_session_with_typed_answers() {
+    let venv = tools();
+    let server = serve().await;
     let document: Value = reqwest::get(format!("{}/openapi.json", server.base))
         .await
         .expect("GET /openapi.json")
@@ -124,14 +130,7 @@ async fn a_client_generated_from_the_openapi_document_drives_a_whole_session_wit
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_property_based_tester_finds_every_answer_as_the_openapi_document_says() {
     let venv = tools();
-    let server = ApiServer::helpdesk(json!({"turns": [
-        {"steps": [
-            {"tool_calls": [{"id": "pay", "name": "log", "arguments": {"name": "pay"}}]},
-            {"text": "paid"}
-        ]},
-        {"steps": [{"text": "hello again"}]}
-    ]}))
-    .await;
+    let server = serve().await;
     let config = repo_root().join("tests/api-client/schemathesis.toml");
     let url = format!("{}/openapi.json", server.base);
     let auth = format!("Authorization: Bearer {TEST_TOKEN}");

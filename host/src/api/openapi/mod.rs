@@ -61,6 +61,13 @@ fn json_ok(description: &str, schema: &str) -> Value {
     json!({"description": description, "content": {"application/json": {"schema": {"$ref": format!("#/components/schemas/{schema}")}}}})
 }
 
+/// The `X-Dexa-Actor` header of the activation log's writes.
+fn actor_param() -> Value {
+    json!({"name": "X-Dexa-Actor", "in": "header", "required": false,
+        "description": "Who the log records (default `api`): 1 to 200 printable characters; another is a 400",
+        "schema": {"type": "string", "minLength": 1, "maxLength": 200, "pattern": "^[\\x21-\\x7E]([\\x20-\\x7E]*[\\x21-\\x7E])?$"}})
+}
+
 fn session_param() -> Value {
     json!({"name": "session_id", "in": "path", "required": true, "schema": {"type": "string"}})
 }
@@ -192,7 +199,7 @@ pub fn document() -> Value {
                 "operationId": "activateVersion",
                 "summary": "Verify an uploaded version for a role and activate it for new turns (or a ramp); a refusal (422) changes nothing",
                 "parameters": [{"name": "agent", "in": "path", "required": true, "schema": {"type": "string"}},
-                    {"name": "X-Dexa-Actor", "in": "header", "required": false, "description": "Who the log records (default `api`): 1 to 200 printable characters; another is a 400", "schema": {"type": "string", "minLength": 1, "maxLength": 200, "pattern": "^[\\x21-\\x7E]([\\x20-\\x7E]*[\\x21-\\x7E])?$"}}],
+                    actor_param()],
                 "requestBody": json_body("Activate"),
                 "responses": with_errors(json!({"201": json_ok("Activated", "Activated")}), &[400, 401, 404, 413, 415, 422])
             }},
@@ -200,7 +207,7 @@ pub fn document() -> Value {
                 "operationId": "rollBack",
                 "summary": "Activate the version that was current before (or end a ramp)",
                 "parameters": [{"name": "agent", "in": "path", "required": true, "schema": {"type": "string"}},
-                    {"name": "X-Dexa-Actor", "in": "header", "required": false, "description": "As for activations", "schema": {"type": "string", "minLength": 1, "maxLength": 200, "pattern": "^[\\x21-\\x7E]([\\x20-\\x7E]*[\\x21-\\x7E])?$"}}],
+                    actor_param()],
                 "requestBody": json_body("Rollback"),
                 "responses": with_errors(json!({"201": json_ok("Activated", "Activated")}), &[400, 401, 404, 409, 413, 415, 422])
             }},
