@@ -60,10 +60,15 @@ else
     touch "$std_marker"
 fi
 
+# Only this workspace's members: a project built elsewhere with this target
+# directory as its CARGO_TARGET_DIR (to share the std for wasm, as the
+# `dexa new` test does) leaves its component here too.
 count=0
-for wasm in "$CARGO_TARGET_DIR/wasm32-wasip2/$profile"/*.wasm; do
-    name=$(basename "$wasm" .wasm)
-    cp "$wasm" "$out/${name//_/-}.wasm"
+for manifest in "$here"/*/Cargo.toml "$here"/hostile/*/Cargo.toml; do
+    name=$(sed -n 's/^name = "\(.*\)"/\1/p' "$manifest" | head -1)
+    wasm="$CARGO_TARGET_DIR/wasm32-wasip2/$profile/${name//-/_}.wasm"
+    [ -f "$wasm" ] || continue
+    cp "$wasm" "$out/$name.wasm"
     count=$((count + 1))
 done
 log "$count components in $out"

@@ -128,7 +128,12 @@ fn new_project_builds_passes_its_test_and_runs(case: Case) {
         assert!(passed && !said.contains("# pass 0"), "{name}: {said}");
     }
 
-    // dexa build: the component builds and loads for its world.
+    // dexa build: the component builds and loads for its world. A shared
+    // Python toolchain is used as it is, never installed into.
+    let shared_toolchain = repo_root().join("target/guest-toolchains/python/.installed");
+    let before = std::fs::metadata(&shared_toolchain)
+        .and_then(|m| m.modified())
+        .ok();
     for (name, world, env) in [
         (&tool, "tool", &case.tool_env),
         (&runner, "runner", &case.runner_env),
@@ -147,6 +152,11 @@ fn new_project_builds_passes_its_test_and_runs(case: Case) {
             assert_eq!(report["tools"][0]["effect"], "read", "{report}");
         }
     }
+
+    let after = std::fs::metadata(&shared_toolchain)
+        .and_then(|m| m.modified())
+        .ok();
+    assert_eq!(before, after, "the shared Python toolchain was touched");
 
     // dexa component call: the tool counts, and reads its config.
     let wasm = format!("build/{tool}.wasm");
@@ -167,6 +177,15 @@ fn new_project_builds_passes_its_test_and_runs(case: Case) {
     assert_eq!(
         answer,
         serde_json::json!({"words": 5, "characters": 21, "lines": 2, "note": "hello"})
+    );
+    // Every language counts alike: ASCII whitespace only, `\r\n` one break.
+    let tricky = call(&["--args", r#"{"text": "a\tb\r\nc\u2028d\n"}"#]);
+    assert_ok(&tricky, "dexa component call");
+    let answer: serde_json::Value = serde_json::from_slice(&tricky.stdout)
+        .unwrap_or_else(|err| panic!("the tool's answer is not JSON ({err}): {}", text(&tricky)));
+    assert_eq!(
+        answer,
+        serde_json::json!({"words": 3, "characters": 9, "lines": 2})
     );
     // A mistake in the arguments is the model's to see, not a crash.
     let refused = call(&["--args", r#"{"txt": 1}"#]);

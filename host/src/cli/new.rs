@@ -105,6 +105,10 @@ const RUST_RUNNER: &[File] = &[
 const RUST: &[File] = &[
     script("build.sh", template!("rust/build.sh")),
     script("test.sh", template!("rust/test.sh")),
+    // The Rust guests' lock, so a project builds with the crate versions
+    // the repository's own guests are built and tested with (cargo drops
+    // the entries it does not use on the first build).
+    file("Cargo.lock", include_str!("../../../guests/Cargo.lock")),
 ];
 const PYTHON_TOOL: &[File] = &[
     file("app.py", template!("python/tool/app.py")),
@@ -241,7 +245,13 @@ pub fn create(args: &NewArgs) -> anyhow::Result<PathBuf> {
         .dir
         .clone()
         .unwrap_or_else(|| PathBuf::from(&args.name));
-    if dir.exists() {
+    if let Ok(found) = std::fs::symlink_metadata(&dir) {
+        if !found.is_dir() && !dir.is_dir() {
+            bail!(
+                "{} exists and is not a directory; dexa new writes into a new or empty directory",
+                dir.display()
+            );
+        }
         let empty = std::fs::read_dir(&dir)
             .with_context(|| format!("{} exists and cannot be read", dir.display()))?
             .next()
@@ -284,6 +294,19 @@ fn write(path: &Path, text: &str, executable: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `text` as one shell word: as it is when it is plain, else single-quoted.
+fn shell_quoted(text: &str) -> String {
+    let plain = !text.is_empty()
+        && text
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_./+,:@%".contains(c));
+    if plain {
+        text.to_string()
+    } else {
+        format!("'{}'", text.replace('\'', "'\\''"))
+    }
+}
+
 /// `dexa new`.
 pub fn run(args: NewArgs) -> anyhow::Result<()> {
     let dir = create(&args)?;
@@ -293,7 +316,7 @@ pub fn run(args: NewArgs) -> anyhow::Result<()> {
         dir.display(),
         args.lang.title()
     );
-    println!("  cd {}", dir.display());
+    println!("  cd {}", shell_quoted(&dir.display().to_string()));
     println!("  ./test.sh                 # its own tests");
     println!(
         "  dexa build                # or ./build.sh -> build/{}.wasm",
@@ -337,6 +360,13 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_directory_is_printed_as_one_shell_word() {
+        assert_eq!(shell_quoted("word-stats"), "word-stats");
+        assert_eq!(shell_quoted("a dir"), "'a dir'");
+        assert_eq!(shell_quoted("it's"), "'it'\\''s'");
     }
 
     #[test]

@@ -88,9 +88,16 @@ pub struct BuildArgs {
     /// The project's directory.
     #[arg(default_value = ".")]
     pub dir: PathBuf,
-    #[command(flatten)]
-    pub engine: super::EngineArgs,
+    /// Where compiled components are cached (default: the project's
+    /// `.dexa/cache/components`).
+    #[arg(long, env = "DEXA_CACHE_DIR")]
+    pub cache_dir: Option<PathBuf>,
 }
+
+/// The toolchain variables the build scripts read as paths: a relative one
+/// means where `dexa build` was started, not the project the script runs
+/// in.
+const PATH_VARIABLES: [&str; 2] = ["CARGO_TARGET_DIR", "DEXA_PY_TOOLCHAIN"];
 
 /// `dexa build`.
 pub async fn build(args: BuildArgs) -> anyhow::Result<()> {
@@ -108,10 +115,21 @@ pub async fn build(args: BuildArgs) -> anyhow::Result<()> {
     let stderr = std::os::fd::AsFd::as_fd(&std::io::stderr())
         .try_clone_to_owned()
         .context("duplicating stderr for the build script")?;
-    let status = tokio::process::Command::new("bash")
+    let mut command = tokio::process::Command::new("bash");
+    command
         .arg("build.sh")
         .current_dir(&args.dir)
-        .stdout(std::process::Stdio::from(stderr))
+        .stdout(std::process::Stdio::from(stderr));
+    for name in PATH_VARIABLES {
+        if let Some(value) = std::env::var_os(name).filter(|v| !v.is_empty()) {
+            let path = PathBuf::from(value);
+            if path.is_relative() {
+                let here = std::env::current_dir().context("the current directory")?;
+                command.env(name, here.join(path));
+            }
+        }
+    }
+    let status = command
         .status()
         .await
         .with_context(|| format!("running {}", script.display()))?;
@@ -127,7 +145,13 @@ pub async fn build(args: BuildArgs) -> anyhow::Result<()> {
         "build.sh succeeded but wrote no {}",
         component.display()
     );
-    let report = super::describe(&args.engine, project.world_arg(), &component)
+    let engine = super::EngineArgs {
+        cache_dir: args
+            .cache_dir
+            .clone()
+            .unwrap_or_else(|| args.dir.join(".dexa/cache/components")),
+    };
+    let report = super::describe(&engine, project.world_arg(), &component)
         .await
         .with_context(|| format!("{} does not load", component.display()))?;
     eprintln!(

@@ -20,7 +20,7 @@ fi
 # check a copy named .mjs, and name the author's file in the message.
 check=$(mktemp -d)
 trap 'rm -rf "$check"' EXIT
-for src in src/*.js; do
+find src -name '*.js' | sort | while read -r src; do
     cp "$src" "$check/check.mjs"
     if ! node --check "$check/check.mjs" 2>"$check/err"; then
         while IFS= read -r line; do
@@ -30,7 +30,7 @@ for src in src/*.js; do
         log "$src does not parse (above)"
         exit 1
     fi
-done
+done || exit 1
 mkdir -p build
 rm -f build/__NAME__.wasm.tmp
 # The source comes first: -d takes every word up to the next option.

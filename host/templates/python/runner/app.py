@@ -24,7 +24,7 @@ import wit_world
 from componentize_py_types import Err
 from wit_world.imports import config, model, policy, types
 
-from conversation import item, stored, window
+from conversation import item, run_state, stored, window
 
 ROLE_NAMES = {
     types.MessageRole.SYSTEM: "system",
@@ -71,12 +71,10 @@ class WitWorld(wit_world.WitWorld):
 
     def run_model_step(self, turn: types.TurnContext) -> types.TurnOutcome:
         # `raise Err("...")` fails this attempt; the host retries RunModel.
-        state = {"items": [], "pending": []}
-        if turn.framework_run_state is not None:
-            try:
-                state = json.loads(turn.framework_run_state)
-            except ValueError as err:
-                raise Err(f"the run state is not __NAME__'s: {err}")
+        try:
+            state = run_state(turn.framework_run_state)
+        except ValueError as err:
+            raise Err(f"the run state is not __NAME__'s: {err}")
         records = {r.tool_call_id: r for r in turn.tool_calls}
         for call_id in state["pending"]:
             record = records.get(call_id)

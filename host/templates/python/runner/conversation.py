@@ -17,6 +17,24 @@ def item(role: str, content: Optional[str], tool_calls=None, tool_call_id=None) 
     return out
 
 
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def is_item(parsed) -> bool:
+    """Whether parsed JSON has this runner's item shape."""
+    if not isinstance(parsed, dict) or parsed.get("role") not in ROLES:
+        return False
+    if not isinstance(parsed.get("content"), (str, type(None))):
+        return False
+    if not isinstance(parsed.get("tool_call_id"), (str, type(None))):
+        return False
+    calls = parsed.get("tool_calls") or []
+    return isinstance(calls, list) and all(
+        isinstance(c, dict) and all(isinstance(c.get(k), str) for k in ("id", "name", "arguments"))
+        for c in calls
+    )
+
+
 def stored(framework_item: str, role: str, text: Optional[str]) -> dict:
     """A stored message back as an item. A message this runner did not write
     (the host's turn-failure note, an imported history) is taken by its role
@@ -25,9 +43,24 @@ def stored(framework_item: str, role: str, text: Optional[str]) -> dict:
         parsed = json.loads(framework_item)
     except ValueError:
         parsed = None
-    if isinstance(parsed, dict) and isinstance(parsed.get("role"), str):
-        return parsed
-    return item(role, text)
+    return parsed if is_item(parsed) else item(role, text)
+
+
+def run_state(text: Optional[str]) -> dict:
+    """The run state this runner wrote, or a fresh one; ValueError for one
+    it did not write."""
+    if text is None:
+        return {"items": [], "pending": []}
+    state = json.loads(text)
+    if (
+        not isinstance(state, dict)
+        or not isinstance(state.get("items"), list)
+        or not all(is_item(it) for it in state["items"])
+        or not isinstance(state.get("pending"), list)
+        or not all(isinstance(p, str) for p in state["pending"])
+    ):
+        raise ValueError("not this runner's run state")
+    return state
 
 
 def window(items: List[dict]) -> List[dict]:

@@ -24,7 +24,7 @@ import { get } from "dex:agents/config@0.2.0";
 import { complete } from "dex:agents/model@0.2.0";
 import { describeToolCallOutcome, resolveToolPolicy } from "dex:agents/policy@0.2.0";
 
-import { item, stored, window } from "./conversation.js";
+import { item, runState, stored, window } from "./conversation.js";
 
 function toModel(it) {
   return {
@@ -55,13 +55,11 @@ export function buildUserMessage(text) {
 
 export function runModelStep(turn) {
   // A thrown string fails this attempt; the host retries RunModel.
-  let state = { items: [], pending: [] };
-  if (turn.frameworkRunState !== undefined) {
-    try {
-      state = JSON.parse(turn.frameworkRunState);
-    } catch (err) {
-      throw `the run state is not __NAME__'s: ${err}`;
-    }
+  let state;
+  try {
+    state = runState(turn.frameworkRunState);
+  } catch (err) {
+    throw `the run state is not __NAME__'s: ${err}`;
   }
   for (const id of state.pending) {
     const record = turn.toolCalls.find((r) => r.toolCallId === id);

@@ -16,19 +16,60 @@ export function item(role, content, toolCalls, toolCallId) {
   return out;
 }
 
+const ROLES = ["system", "user", "assistant", "tool"];
+
+const isOptionalString = (value) => value === undefined || value === null || typeof value === "string";
+
+// Whether parsed JSON has this runner's item shape.
+export function isItem(parsed) {
+  if (parsed === null || typeof parsed !== "object" || !ROLES.includes(parsed.role)) {
+    return false;
+  }
+  if (!isOptionalString(parsed.content) || !isOptionalString(parsed.tool_call_id)) {
+    return false;
+  }
+  const calls = parsed.tool_calls ?? [];
+  return (
+    Array.isArray(calls) &&
+    calls.every(
+      (c) => c !== null && typeof c === "object" && ["id", "name", "arguments"].every((k) => typeof c[k] === "string"),
+    )
+  );
+}
+
 // A stored message back as an item. A message this runner did not write
 // (the host's turn-failure note, an imported history) is taken by its role
 // and text.
 export function stored(frameworkItem, role, text) {
   try {
     const parsed = JSON.parse(frameworkItem);
-    if (parsed !== null && typeof parsed === "object" && typeof parsed.role === "string") {
+    if (isItem(parsed)) {
       return parsed;
     }
   } catch {
     // not this runner's item
   }
   return item(role, text);
+}
+
+// The run state this runner wrote, or a fresh one; throws for one it did
+// not write.
+export function runState(text) {
+  if (text === undefined) {
+    return { items: [], pending: [] };
+  }
+  const state = JSON.parse(text);
+  const valid =
+    state !== null &&
+    typeof state === "object" &&
+    Array.isArray(state.items) &&
+    state.items.every(isItem) &&
+    Array.isArray(state.pending) &&
+    state.pending.every((p) => typeof p === "string");
+  if (!valid) {
+    throw new Error("not this runner's run state");
+  }
+  return state;
 }
 
 // The messages a model may be sent: a tool result whose call is not among

@@ -1,5 +1,6 @@
 //! What the tool computes, apart from the component's bindings, so that
-//! `cargo test` runs it natively.
+//! `cargo test` runs it natively. The Python and JavaScript templates count
+//! the same way, and test the same cases.
 
 use serde::Serialize;
 
@@ -11,13 +12,22 @@ pub struct Stats {
     pub lines: usize,
 }
 
-/// Counts the words (runs of non-whitespace), characters (Unicode scalar
-/// values, not bytes) and lines of `text`.
+/// Counts the words (runs of characters other than ASCII whitespace: space,
+/// tab, line feed, vertical tab, form feed, carriage return), characters
+/// (Unicode code points, not bytes) and lines (split at each `\n`, a last
+/// `\n` ending the last line rather than starting another) of `text`.
 pub fn stats(text: &str) -> Stats {
     Stats {
-        words: text.split_whitespace().count(),
+        words: text
+            .split(|c: char| matches!(c, ' ' | '\t' | '\n' | '\x0b' | '\x0c' | '\r'))
+            .filter(|word| !word.is_empty())
+            .count(),
         characters: text.chars().count(),
-        lines: text.lines().count(),
+        lines: match text.matches('\n').count() {
+            _ if text.is_empty() => 0,
+            breaks if text.ends_with('\n') => breaks,
+            breaks => breaks + 1,
+        },
     }
 }
 
@@ -27,21 +37,22 @@ mod tests {
 
     #[test]
     fn counts_words_characters_and_lines() {
-        assert_eq!(
-            stats("the quick brown\nfox é"),
-            Stats {
-                words: 5,
-                characters: 21,
-                lines: 2
-            }
-        );
-        assert_eq!(
-            stats(""),
-            Stats {
-                words: 0,
-                characters: 0,
-                lines: 0
-            }
-        );
+        // text, words, characters, lines
+        let cases = [
+            ("the quick brown\nfox é", 5, 21, 2),
+            ("", 0, 0, 0),
+            ("\n", 0, 1, 1),
+            ("a\tb\r\nc\u{2028}d\n", 3, 9, 2),
+            ("a\rb", 2, 3, 1),
+            ("a\u{a0}b\n\n", 1, 5, 2),
+        ];
+        for (text, words, characters, lines) in cases {
+            let expected = Stats {
+                words,
+                characters,
+                lines,
+            };
+            assert_eq!(stats(text), expected, "{text:?}");
+        }
     }
 }
