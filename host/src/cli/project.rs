@@ -1,10 +1,11 @@
 //! A component project made by `dexa new`, and `dexa build`.
 //!
-//! `dexa build` runs the project's own `build.sh`, which checks each source
-//! with the language's parser before the component toolchain runs (so an
-//! error names its file and line), and then loads the component as a worker
-//! would: it must implement the project's world against this host's WIT,
-//! and a tool's parameter schemas must be valid.
+//! `dexa build` runs the project's own `build.sh`, which makes sure a syntax
+//! error is named by its file and line (cargo does; the JS build parses
+//! with Node first; the Python build asks Python after componentize-py
+//! fails), and then loads the component as a worker would: it must
+//! implement the project's world against this host's WIT, and a tool's
+//! parameter schemas must be valid.
 
 use std::path::{Path, PathBuf};
 
