@@ -153,6 +153,11 @@ const JS_RUNNER: &[File] = &[
 const JS: &[File] = &[
     script("build.sh", template!("js/build.sh")),
     script("test.sh", template!("js/test.sh")),
+    // The JS guests' own syntax check, which the build runs on each source.
+    script(
+        "check-syntax.sh",
+        include_str!("../../../guests/js/check-syntax.sh"),
+    ),
     file("package.json", template!("js/package.json")),
     // The JS guests' lock, so a project installs exactly the toolchain the
     // repository's own guests are built and tested with.

@@ -16,20 +16,10 @@ if [ ! -f "$cli" ] || [ package-lock.json -nt node_modules/.package-lock.json ];
     log "installing componentize-js from package-lock.json (npm ci)"
     npm ci --no-audit --no-fund --loglevel=error
 fi
-# Node reads a .js file as CommonJS, where `export` hides the real error:
-# check a copy named .mjs, and name the author's file in the message.
-check=$(mktemp -d)
-trap 'rm -rf "$check"' EXIT
+# Every source is parsed by Node first (check-syntax.sh), which names an
+# error's file and line.
 find src -name '*.js' | sort | while read -r src; do
-    cp "$src" "$check/check.mjs"
-    if ! node --check "$check/check.mjs" 2>"$check/err"; then
-        while IFS= read -r line; do
-            case $line in "    at "*) continue ;; esac
-            printf '%s\n' "${line//"$check/check.mjs"/$src}"
-        done <"$check/err" >&2
-        log "$src does not parse (above)"
-        exit 1
-    fi
+    ./check-syntax.sh "$src" || { log "$src does not parse (above)"; exit 1; }
 done || exit 1
 mkdir -p build
 rm -f build/__NAME__.wasm.tmp
