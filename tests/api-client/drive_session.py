@@ -9,12 +9,16 @@ The server plays the `Helpdesk` script of tests/tests/api_client.rs: turn 1
 asks for an approval, turn 2 answers at once.
 """
 
+import json
 import sys
 import time
+
+import httpx
 
 sys.path.insert(0, sys.argv[1])
 BASE_URL, TOKEN = sys.argv[2], sys.argv[3]
 
+import dexa_client.models  # noqa: E402
 from dexa_client import AuthenticatedClient  # noqa: E402
 from dexa_client.api.default import (  # noqa: E402
     get_agent_snapshot,
@@ -36,10 +40,10 @@ from dexa_client.models import (  # noqa: E402
     AgentState,
     AgentUsage,
     Error,
-    ErrorErrorCode,
+    ErrorCode,
     FlowStatus,
     Queued,
-    QueuedStatus,
+    WaitStatus,
     ResolveInterrupt,
     Resolved,
     SendMessage,
@@ -92,7 +96,7 @@ with client:
     )
     assert unknown.status_code == 404, unknown
     error = expect(unknown.parsed, Error, "404")
-    assert error.error.code == ErrorErrorCode.INTERRUPT_NOT_FOUND, error
+    assert error.error.code == ErrorCode.INTERRUPT_NOT_FOUND, error
 
     resolved = resolve_interrupt.sync(
         session_id="py-1", client=client, body=ResolveInterrupt(interrupt_id=interrupt.interrupt_id, approved=True)
@@ -106,7 +110,7 @@ with client:
     # Turn 2, waited for: the answer carries the turn's messages and usage.
     queued = send_user_message.sync(session_id="py-1", client=client, body=SendMessage(text="again"), wait=60.0)
     expect(queued, Queued, "send")
-    assert queued.status == QueuedStatus.COMPLETED, queued
+    assert queued.status == WaitStatus.COMPLETED, queued
     assert [expect(m, AgentMessage, "message").text for m in queued.messages] == ["hello again"], queued
     expect(queued.usage, AgentUsage, "turn usage")
 
@@ -117,6 +121,28 @@ with client:
     history = expect(get_step_history.sync(session_id="py-1", client=client), StepHistory, "history")
     steps = [expect(s, StepHistoryEntry, "step").step_type for s in history.steps]
     assert "AwaitToolApproval" in steps and "RunModel" in steps, steps
+
+    # The event stream, each event's data read into the generated model its
+    # type names (`turn_started` is TurnStartedEvent, with TurnStartedData).
+    seen = []
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    with httpx.stream("GET", f"{BASE_URL}/v1/sessions/py-1/events", headers=headers, timeout=30) as stream:
+        for line in stream.iter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = json.loads(line[len("data:"):].strip())
+            kind = "".join(word.capitalize() for word in data["type"].split("_"))
+            event_model = getattr(dexa_client.models, f"{kind}Event")
+            data_model = getattr(dexa_client.models, f"{kind}Data")
+            event = expect(event_model.from_dict(data), event_model, data["type"])
+            expect(event.data, data_model, f"{data['type']} data")
+            if data["type"] == "usage_recorded":
+                expect(event.data.recorded, AgentUsage, "recorded usage")
+            seen.append(data["type"])
+            if seen.count("turn_completed") == 2:
+                break
+    for kind in ("turn_started", "tool_call_deferred", "interrupt_raised", "interrupt_resolved", "usage_recorded"):
+        assert kind in seen, (kind, seen)
 
     sessions = expect(list_sessions.sync(client=client, agent="Helpdesk"), SessionList, "sessions")
     summary = expect(sessions.sessions[0], SessionSummary, "summary")

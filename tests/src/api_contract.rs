@@ -80,17 +80,38 @@ impl Contract {
                 (template, schema)
             }
         };
-        let validator = self.validator(schema);
-        let errors: Vec<String> = validator
-            .iter_errors(body)
-            .map(|err| format!("at {}: {err}", err.instance_path()))
-            .take(5)
-            .collect();
+        let errors = self.errors(schema, body);
         assert!(
             errors.is_empty(),
             "{method} {path} ({status}) does not match the document's schema for {template}:\n{}\n{body:.2000}",
             errors.join("\n")
         );
+    }
+
+    /// Panics, saying where, when `value` does not match the document's
+    /// schema `name` (every object closed), as an SSE event's data must
+    /// match `AgentEvent` or `SessionEnded`.
+    pub fn check_schema(&self, name: &str, value: &Value) {
+        assert!(
+            !self.components["schemas"][name].is_null(),
+            "the document has no schema {name}"
+        );
+        let schema = json!({"$ref": format!("#/components/schemas/{name}")});
+        let errors = self.errors(&schema, value);
+        assert!(
+            errors.is_empty(),
+            "does not match the document's {name}:\n{}\n{value:.2000}",
+            errors.join("\n")
+        );
+    }
+
+    /// The first few places where `value` does not match `schema`.
+    fn errors(&self, schema: &Value, value: &Value) -> Vec<String> {
+        self.validator(schema)
+            .iter_errors(value)
+            .map(|err| format!("at {}: {err}", err.instance_path()))
+            .take(5)
+            .collect()
     }
 
     fn validator(&self, schema: &Value) -> Validator {

@@ -463,6 +463,12 @@ async fn read_sse(
             .expect("the stream stays open")
             .expect("a well-formed event");
         let data: Value = serde_json::from_str(&event.data).unwrap();
+        // Each event's data as the document types it.
+        let schema = match event.event.as_str() {
+            "session_ended" => "SessionEnded",
+            _ => "AgentEvent",
+        };
+        served.contract.check_schema(schema, &data);
         let done = stop(&event.event);
         seen.push((event.id, event.event, data));
         if done {

@@ -3,7 +3,8 @@
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use serde_json::json;
+use schemars::JsonSchema;
+use serde::Serialize;
 
 use crate::flow::{FlowError, RpcError, StoreError};
 use crate::session::SessionError;
@@ -13,16 +14,62 @@ use crate::session::SessionError;
 /// after it did.
 pub const RETRY_AFTER_SECONDS: &str = "2";
 
+/// Every error code an answer may carry: stable and machine-readable. The
+/// OpenAPI document's enum is this type's, so a new code is documented by
+/// being added here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    BadRequest,
+    InvalidRequest,
+    InvalidCursor,
+    InvalidIdempotencyKey,
+    Unauthorized,
+    NotFound,
+    InterruptNotFound,
+    MethodNotAllowed,
+    AlreadyExists,
+    Conflict,
+    NotRunning,
+    Busy,
+    NothingToRollBack,
+    ActivationLogMoved,
+    PayloadTooLarge,
+    MessageTooLarge,
+    UnsupportedMediaType,
+    IdempotencyKeyReused,
+    ActivationRefused,
+    Internal,
+    StoreUnavailable,
+    Overloaded,
+    // Only from a worker's own `/readyz`: its components are still loading.
+    Loading,
+}
+
+/// The body of every error answer.
+#[derive(Debug, Serialize, JsonSchema)]
+#[schemars(rename = "Error")]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+/// What went wrong.
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct ErrorDetail {
+    pub code: ErrorCode,
+    /// For people: what was wrong and, where it helps, what to do.
+    pub message: String,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ApiError {
     pub status: StatusCode,
-    /// Stable and machine-readable: `not_found`, `conflict`...
-    pub code: &'static str,
+    pub code: ErrorCode,
     pub message: String,
 }
 
 impl ApiError {
-    pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+    pub fn new(status: StatusCode, code: ErrorCode, message: impl Into<String>) -> Self {
         Self {
             status,
             code,
@@ -31,17 +78,17 @@ impl ApiError {
     }
 
     pub fn bad_request(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::BAD_REQUEST, "bad_request", message)
+        Self::new(StatusCode::BAD_REQUEST, ErrorCode::BadRequest, message)
     }
 
     pub fn not_found(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::NOT_FOUND, "not_found", message)
+        Self::new(StatusCode::NOT_FOUND, ErrorCode::NotFound, message)
     }
 
     pub fn unauthorized() -> Self {
         Self::new(
             StatusCode::UNAUTHORIZED,
-            "unauthorized",
+            ErrorCode::Unauthorized,
             "send the API token as `Authorization: Bearer <token>`",
         )
     }
@@ -51,20 +98,29 @@ impl ApiError {
     pub fn overloaded() -> Self {
         Self::new(
             StatusCode::SERVICE_UNAVAILABLE,
-            "overloaded",
+            ErrorCode::Overloaded,
             "the server has no free connection for the API; only /healthz is answered now; \
              try again shortly",
         )
     }
 
     pub fn internal(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", message)
+        Self::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            ErrorCode::Internal,
+            message,
+        )
     }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = json!({"error": {"code": self.code, "message": self.message}});
+        let body = ErrorBody {
+            error: ErrorDetail {
+                code: self.code,
+                message: self.message,
+            },
+        };
         let mut response = (self.status, axum::Json(body)).into_response();
         if self.status == StatusCode::UNAUTHORIZED {
             response.headers_mut().insert(
@@ -101,14 +157,14 @@ pub(crate) async fn json_errors(response: Response) -> Response {
         return response;
     }
     let code = match status {
-        StatusCode::BAD_REQUEST => "bad_request",
-        StatusCode::UNAUTHORIZED => "unauthorized",
-        StatusCode::NOT_FOUND => "not_found",
-        StatusCode::METHOD_NOT_ALLOWED => "method_not_allowed",
-        StatusCode::PAYLOAD_TOO_LARGE => "payload_too_large",
-        StatusCode::UNSUPPORTED_MEDIA_TYPE => "unsupported_media_type",
-        StatusCode::SERVICE_UNAVAILABLE => "overloaded",
-        _ => "internal",
+        StatusCode::BAD_REQUEST => ErrorCode::BadRequest,
+        StatusCode::UNAUTHORIZED => ErrorCode::Unauthorized,
+        StatusCode::NOT_FOUND => ErrorCode::NotFound,
+        StatusCode::METHOD_NOT_ALLOWED => ErrorCode::MethodNotAllowed,
+        StatusCode::PAYLOAD_TOO_LARGE => ErrorCode::PayloadTooLarge,
+        StatusCode::UNSUPPORTED_MEDIA_TYPE => ErrorCode::UnsupportedMediaType,
+        StatusCode::SERVICE_UNAVAILABLE => ErrorCode::Overloaded,
+        _ => ErrorCode::Internal,
     };
     // Rejection texts are short; a long one is cut rather than held.
     let text = axum::body::to_bytes(response.into_body(), 4096)
@@ -126,19 +182,21 @@ pub(crate) async fn json_errors(response: Response) -> Response {
 impl From<StoreError> for ApiError {
     fn from(err: StoreError) -> Self {
         match &err {
-            StoreError::FlowExists { .. } => {
-                Self::new(StatusCode::CONFLICT, "already_exists", err.to_string())
-            }
+            StoreError::FlowExists { .. } => Self::new(
+                StatusCode::CONFLICT,
+                ErrorCode::AlreadyExists,
+                err.to_string(),
+            ),
             StoreError::NoSuchFlow { .. } => Self::not_found(err.to_string()),
             StoreError::FlowEnded { .. } => {
-                Self::new(StatusCode::CONFLICT, "not_running", err.to_string())
+                Self::new(StatusCode::CONFLICT, ErrorCode::NotRunning, err.to_string())
             }
             StoreError::Conflict(_) | StoreError::StaleLease { .. } => {
-                Self::new(StatusCode::CONFLICT, "conflict", err.to_string())
+                Self::new(StatusCode::CONFLICT, ErrorCode::Conflict, err.to_string())
             }
             _ => Self::new(
                 StatusCode::SERVICE_UNAVAILABLE,
-                "store_unavailable",
+                ErrorCode::StoreUnavailable,
                 err.to_string(),
             ),
         }
@@ -150,7 +208,7 @@ impl From<RpcError> for ApiError {
         match err {
             RpcError::LockConflict { .. } => Self::new(
                 StatusCode::CONFLICT,
-                "busy",
+                ErrorCode::Busy,
                 format!("{err}; a Step holds it, try again shortly"),
             ),
             RpcError::Rejected(message) => Self::bad_request(message),
@@ -175,33 +233,35 @@ impl From<SessionError> for ApiError {
             SessionError::NoSuchSession(_) => Self::not_found(err.to_string()),
             SessionError::NoSuchInterrupt { .. } => Self::new(
                 StatusCode::NOT_FOUND,
-                "interrupt_not_found",
+                ErrorCode::InterruptNotFound,
                 err.to_string(),
             ),
             SessionError::NotRunning { .. } => {
-                Self::new(StatusCode::CONFLICT, "not_running", err.to_string())
+                Self::new(StatusCode::CONFLICT, ErrorCode::NotRunning, err.to_string())
             }
             SessionError::MessageTooLarge { .. } => Self::new(
                 StatusCode::PAYLOAD_TOO_LARGE,
-                "message_too_large",
+                ErrorCode::MessageTooLarge,
                 err.to_string(),
             ),
             SessionError::InvalidIdempotencyKey(_) => Self::new(
                 StatusCode::BAD_REQUEST,
-                "invalid_idempotency_key",
+                ErrorCode::InvalidIdempotencyKey,
                 err.to_string(),
             ),
             SessionError::IdempotencyKeyReused { .. } => Self::new(
                 StatusCode::UNPROCESSABLE_ENTITY,
-                "idempotency_key_reused",
+                ErrorCode::IdempotencyKeyReused,
                 err.to_string(),
             ),
             SessionError::SteersPending { .. } | SessionError::Busy { .. } => {
-                Self::new(StatusCode::CONFLICT, "busy", err.to_string())
+                Self::new(StatusCode::CONFLICT, ErrorCode::Busy, err.to_string())
             }
-            SessionError::Invalid(_) => {
-                Self::new(StatusCode::BAD_REQUEST, "invalid_request", err.to_string())
-            }
+            SessionError::Invalid(_) => Self::new(
+                StatusCode::BAD_REQUEST,
+                ErrorCode::InvalidRequest,
+                err.to_string(),
+            ),
             SessionError::Flow(err) => err.into(),
             SessionError::Rpc(err) => err.into(),
         }

@@ -12,8 +12,8 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
-use serde_json::json;
 
+use super::answers::SessionEnded;
 use super::{query, ApiError, ApiState};
 use crate::flow::{FlowInfo, FlowStatus, FlowStore};
 use crate::session::{AgentEvent, AgentSessionClient};
@@ -26,7 +26,7 @@ const EVENT_PUSH_FALLBACK: Duration = Duration::from_secs(2);
 /// How often a stream of a running session looks whether it has ended.
 const STATUS_CHECK: Duration = Duration::from_secs(1);
 /// The SSE event that ends the stream of a session that has ended.
-pub const SESSION_ENDED: &str = "session_ended";
+pub const SESSION_ENDED: &str = crate::session::event_type::SESSION_ENDED;
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -218,13 +218,14 @@ fn sse_event(seq: i64, event: &AgentEvent) -> Event {
 /// event's (0 when there was none), so that a browser's `EventSource`
 /// reconnects with `Last-Event-ID` and gets 204, which stops it.
 fn ended_event(flow: &FlowInfo, last: i64) -> Event {
-    let data = json!({
-        "session_id": flow.flow_id,
-        "status": flow.status.as_str(),
-        "error": flow.error,
-    });
+    let data = SessionEnded {
+        session_id: flow.flow_id.clone(),
+        status: flow.status,
+        error: flow.error.clone(),
+    };
+    let data = serde_json::to_string(&data).unwrap_or_default();
     Event::default()
         .id(last.to_string())
         .event(SESSION_ENDED)
-        .data(data.to_string())
+        .data(data)
 }

@@ -8,18 +8,31 @@ use axum::extract::rejection::{JsonRejection, QueryRejection};
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::Json;
+use schemars::JsonSchema;
 use serde::Deserialize;
-use serde_json::{json, Value};
 
+use super::answers::{SendAnswer, TurnCancel};
 use super::{body, idempotency_key, query, ApiError, ApiState};
-use crate::session::{CancelOutcome, ListAgentMessagesRequest, SendOutcome, MAX_TURN_WAIT};
+use crate::session::{
+    AgentMessagesPage, CancelOutcome, ListAgentMessagesRequest, SendOutcome, MAX_TURN_WAIT,
+    MAX_USER_MESSAGE_BYTES,
+};
 use crate::telemetry::traces::TurnTrace;
 
-#[derive(Deserialize)]
+/// `POST /v1/sessions/{id}/messages`'s body.
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(rename = "SendMessage")]
 pub(super) struct SendMessageBody {
+    #[schemars(
+        length(min = 1),
+        regex(pattern = r"\S"),
+        description = format!("At most {MAX_USER_MESSAGE_BYTES} bytes of UTF-8; a blank text is a 400 and nothing is queued")
+    )]
     text: String,
-    /// Steer: cancel the running turn and start the next with this message.
+    /// Steer: cancel the running turn (as /turn/cancel does) and start the
+    /// next turn with this message, ahead of the queue; with no turn running
+    /// it is queued as usual.
     #[serde(default)]
     interrupt: bool,
 }
@@ -60,7 +73,7 @@ pub(super) async fn send_message(
     headers: HeaderMap,
     params: Result<Query<SendQuery>, QueryRejection>,
     payload: Result<Json<SendMessageBody>, JsonRejection>,
-) -> Result<(StatusCode, Json<Value>), ApiError> {
+) -> Result<(StatusCode, Json<SendAnswer>), ApiError> {
     let key = idempotency_key(&headers)?;
     let wait = query(params)?.wait.map(wait_duration).transpose()?;
     let request = body(payload)?;
@@ -80,21 +93,17 @@ pub(super) async fn send_message(
             TurnTrace::from_headers(&headers),
         )
         .await?;
-    let mut answer = match (sent.outcome, &key) {
-        (SendOutcome::Blank, _) => {
-            return Err(ApiError::bad_request("text is blank; nothing was queued"))
-        }
-        (_, None) => json!({"queued": true}),
-        (outcome, Some(key)) => json!({
-            "queued": true,
-            "idempotency_key": key,
-            "replayed": outcome == SendOutcome::Replayed,
-        }),
-    };
-    answer["message_id"] = json!(sent.message_id);
-    if request.interrupt {
-        answer["interrupted"] = json!(sent.interrupted);
+    if sent.outcome == SendOutcome::Blank {
+        return Err(ApiError::bad_request("text is blank; nothing was queued"));
     }
+    let answer = SendAnswer {
+        queued: true,
+        replayed: key.as_ref().map(|_| sent.outcome == SendOutcome::Replayed),
+        idempotency_key: key,
+        message_id: sent.message_id.clone(),
+        interrupted: request.interrupt.then(|| sent.interrupted.clone()),
+        ..SendAnswer::default()
+    };
     let (Some(wait), Some(head), Some(message_id)) = (wait, head, sent.message_id) else {
         return Ok((StatusCode::ACCEPTED, Json(answer)));
     };
@@ -112,12 +121,7 @@ pub(super) async fn send_message(
     } else {
         StatusCode::ACCEPTED
     };
-    let waited =
-        serde_json::to_value(&waited).map_err(|err| ApiError::internal(err.to_string()))?;
-    if let (Some(answer), Value::Object(waited)) = (answer.as_object_mut(), waited) {
-        answer.extend(waited);
-    }
-    Ok((status, Json(answer)))
+    Ok((status, Json(answer.waited(waited))))
 }
 
 /// Cancels the running turn (see [`AgentSessionClient::cancel_turn`]):
@@ -128,11 +132,17 @@ pub(super) async fn send_message(
 pub(super) async fn cancel_turn(
     State(state): State<ApiState>,
     Path(session_id): Path<String>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<TurnCancel>, ApiError> {
     let (sessions, _) = state.session(&session_id).await?;
     Ok(Json(match sessions.cancel_turn(&session_id).await? {
-        CancelOutcome::Cancelled { turn_id } => json!({"cancelled": true, "turn_id": turn_id}),
-        CancelOutcome::NoTurn => json!({"cancelled": false}),
+        CancelOutcome::Cancelled { turn_id } => TurnCancel {
+            cancelled: true,
+            turn_id: Some(turn_id),
+        },
+        CancelOutcome::NoTurn => TurnCancel {
+            cancelled: false,
+            turn_id: None,
+        },
     }))
 }
 
@@ -150,7 +160,7 @@ pub(super) async fn list_messages(
     State(state): State<ApiState>,
     Path(session_id): Path<String>,
     params: Result<Query<MessagesQuery>, QueryRejection>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<AgentMessagesPage>, ApiError> {
     let params = query(params)?;
     let (sessions, _) = state.session(&session_id).await?;
     let page = sessions
@@ -164,9 +174,7 @@ pub(super) async fn list_messages(
             },
         )
         .await?;
-    Ok(Json(
-        serde_json::to_value(page).map_err(|err| ApiError::internal(err.to_string()))?,
-    ))
+    Ok(Json(page))
 }
 
 #[cfg(test)]

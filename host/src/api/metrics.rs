@@ -9,7 +9,7 @@ use axum::response::{IntoResponse, Response};
 
 use std::time::{Duration, Instant};
 
-use super::error::ApiError;
+use super::error::{ApiError, ErrorCode};
 use super::ApiState;
 use crate::flow::FlowStore;
 
@@ -58,7 +58,7 @@ pub(super) async fn metrics_text(State(state): State<ApiState>) -> Response {
     let Some(handle) = &state.metrics else {
         return ApiError::new(
             StatusCode::NOT_FOUND,
-            "not_found",
+            ErrorCode::NotFound,
             "this server records no metrics (dexa serve installs its recorder at start)",
         )
         .into_response();

@@ -3,6 +3,7 @@
 //! document at `/openapi.json`, and bearer-token auth on everything under
 //! `/v1`.
 
+mod answers;
 pub mod cors;
 pub mod error;
 mod events;
@@ -31,11 +32,12 @@ use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
-pub use error::ApiError;
+pub use error::{ApiError, ErrorCode};
 
 use crate::config::Deployment;
 use crate::flow::FlowInfo;
-use crate::session::{new_session_id, AgentSessionClient, ResolveInterruptRequest};
+use crate::session::{new_session_id, AgentSessionClient, AgentSnapshot, ResolveInterruptRequest};
+use answers::{AgentInfo, AgentList, Resolved, SessionStarted, Stopped};
 
 /// Longest accepted session id, in characters (at most 800 bytes).
 pub const MAX_SESSION_ID: usize = 200;
@@ -126,7 +128,7 @@ pub fn router(state: ApiState) -> Router {
         ));
     let app = Router::new()
         .merge(api)
-        .route("/openapi.json", get(|| async { Json(openapi::document()) }))
+        .route("/openapi.json", get(openapi_json))
         .route("/healthz", get(healthz))
         .route("/readyz", get(ready::readyz))
         // The web viewer: a static page with a strict CSP (see `viewer`).
@@ -135,7 +137,7 @@ pub fn router(state: ApiState) -> Router {
         .method_not_allowed_fallback(|| async {
             ApiError::new(
                 StatusCode::METHOD_NOT_ALLOWED,
-                "method_not_allowed",
+                ErrorCode::MethodNotAllowed,
                 "this route does not take that method; see /openapi.json",
             )
         })
@@ -154,6 +156,12 @@ pub fn router(state: ApiState) -> Router {
 
 /// `GET /healthz`: the process is up and serving HTTP. Also served by the
 /// health-check reserve when the API's connections are all taken.
+/// The document, built once per process.
+async fn openapi_json() -> Json<Value> {
+    static DOCUMENT: std::sync::OnceLock<Value> = std::sync::OnceLock::new();
+    Json(DOCUMENT.get_or_init(openapi::document).clone())
+}
+
 async fn healthz() -> Json<Value> {
     Json(json!({"ok": true}))
 }
@@ -187,7 +195,7 @@ fn body<T>(payload: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> {
         if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
             ApiError::new(
                 StatusCode::PAYLOAD_TOO_LARGE,
-                "payload_too_large",
+                ErrorCode::PayloadTooLarge,
                 format!(
                     "the request body is over the limit of {MAX_REQUEST_BODY_BYTES} bytes; \
                      nothing was done"
@@ -196,7 +204,7 @@ fn body<T>(payload: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> {
         } else if rejection.status() == StatusCode::UNSUPPORTED_MEDIA_TYPE {
             ApiError::new(
                 StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                "unsupported_media_type",
+                ErrorCode::UnsupportedMediaType,
                 "send the body as JSON, with content-type: application/json; nothing was done",
             )
         } else {
@@ -216,7 +224,7 @@ fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
     let invalid = |message: &str| {
         ApiError::new(
             StatusCode::BAD_REQUEST,
-            "invalid_idempotency_key",
+            ErrorCode::InvalidIdempotencyKey,
             message.to_string(),
         )
     };
@@ -273,33 +281,46 @@ impl ApiState {
     }
 }
 
-async fn list_agents(State(state): State<ApiState>) -> Json<Value> {
-    let agents: Vec<Value> = state
+async fn list_agents(State(state): State<ApiState>) -> Json<AgentList> {
+    let agents = state
         .deployment
         .config
         .agents
         .values()
-        .map(|agent| {
-            json!({
-                "name": agent.name,
-                "runner": agent.runner,
-                "tool_components": agent.tools,
-                "model": agent.model,
-            })
+        .map(|agent| AgentInfo {
+            name: agent.name.clone(),
+            runner: agent.runner.clone(),
+            tool_components: agent.tools.clone(),
+            model: agent.model.clone(),
         })
         .collect();
-    Json(json!({ "agents": agents }))
+    Json(AgentList { agents })
 }
 
-#[derive(Deserialize)]
+/// `POST /v1/agents/{agent}/sessions`'s body.
+#[derive(Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(rename = "StartSession")]
 struct StartSessionBody {
     #[serde(default, deserialize_with = "not_null")]
+    #[schemars(
+        with = "String",
+        length(min = 1, max = MAX_SESSION_ID),
+        regex(pattern = SESSION_ID_PATTERN),
+        description = format!("Generated when absent. 1 to {MAX_SESSION_ID} characters, not blank, no control characters; another (or null) is a 400")
+    )]
     session_id: Option<String>,
-    /// Blank starts no turn.
     #[serde(default)]
+    #[schemars(description = format!(
+        "At most {} bytes of UTF-8; blank (the default) starts no turn",
+        crate::session::MAX_USER_MESSAGE_BYTES
+    ))]
     message: String,
 }
+
+/// What [`check_session_id`] accepts, as a JSON Schema pattern: not blank,
+/// no control characters.
+const SESSION_ID_PATTERN: &str = "^[^\\u0000-\\u001F\\u007F-\\u009F]*[^\\s\\u0000-\\u001F\\u007F-\\u009F][^\\u0000-\\u001F\\u007F-\\u009F]*$";
 
 fn check_session_id(id: &str) -> Result<(), ApiError> {
     if id.trim().is_empty()
@@ -318,7 +339,7 @@ async fn start_session(
     Path(agent): Path<String>,
     headers: HeaderMap,
     payload: Result<Json<StartSessionBody>, JsonRejection>,
-) -> Result<(StatusCode, Json<Value>), ApiError> {
+) -> Result<(StatusCode, Json<SessionStarted>), ApiError> {
     let request = body(payload)?;
     let sessions = state.agent(&agent)?;
     let session_id = match request.session_id {
@@ -337,42 +358,38 @@ async fn start_session(
         .await?;
     Ok((
         StatusCode::CREATED,
-        Json(json!({"session_id": session_id, "agent": agent})),
+        Json(SessionStarted { session_id, agent }),
     ))
 }
 
 async fn get_snapshot(
     State(state): State<ApiState>,
     Path(session_id): Path<String>,
-) -> Result<Json<Value>, ApiError> {
-    let (sessions, flow) = state.session(&session_id).await?;
-    let snapshot = sessions.get_agent_snapshot(&session_id).await?;
-    let mut value =
-        serde_json::to_value(snapshot).map_err(|err| ApiError::internal(err.to_string()))?;
-    value["agent"] = json!(flow.flow_type);
-    Ok(Json(value))
+) -> Result<Json<AgentSnapshot>, ApiError> {
+    let (sessions, _) = state.session(&session_id).await?;
+    Ok(Json(sessions.get_agent_snapshot(&session_id).await?))
 }
 
 async fn resolve_interrupt(
     State(state): State<ApiState>,
     Path(session_id): Path<String>,
     payload: Result<Json<ResolveInterruptRequest>, JsonRejection>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<Resolved>, ApiError> {
     let request = body(payload)?;
     let (sessions, _) = state.session(&session_id).await?;
     let resolved = sessions.resolve_interrupt(&session_id, request).await?;
-    Ok(Json(json!({ "resolved": resolved })))
+    Ok(Json(Resolved { resolved }))
 }
 
 async fn stop_session(
     State(state): State<ApiState>,
     Path(session_id): Path<String>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<Stopped>, ApiError> {
     let (sessions, _) = state.session(&session_id).await?;
     let stopped = sessions.stop_session(&session_id).await?;
     // Wakes this process's event streams of the session, which then end.
     if let Some(signal) = sessions.event_signal(&session_id) {
         signal.notify_waiters();
     }
-    Ok(Json(json!({ "stopped": stopped })))
+    Ok(Json(Stopped { stopped }))
 }

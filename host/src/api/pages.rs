@@ -10,9 +10,9 @@ use axum::Json;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use base64::Engine as _;
 use serde::Deserialize;
-use serde_json::{json, Value};
 
-use super::{query, ApiError, ApiState};
+use super::answers::{SessionList, SessionSummary, StepHistory};
+use super::{query, ApiError, ApiState, ErrorCode};
 use crate::flow::FlowCursor;
 
 /// The most sessions one page lists; a larger `limit` is clamped to it.
@@ -41,7 +41,7 @@ fn decode_cursor(text: &str) -> Result<FlowCursor, ApiError> {
     let invalid = || {
         ApiError::new(
             StatusCode::BAD_REQUEST,
-            "invalid_cursor",
+            ErrorCode::InvalidCursor,
             "cursor is not one this server gave (pass a page's next_cursor as it is)",
         )
     };
@@ -59,7 +59,7 @@ fn decode_cursor(text: &str) -> Result<FlowCursor, ApiError> {
 pub(super) async fn list_sessions(
     State(state): State<ApiState>,
     params: Result<Query<ListSessionsQuery>, QueryRejection>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<SessionList>, ApiError> {
     let params = query(params)?;
     if let Some(agent) = &params.agent {
         state.agent(agent)?;
@@ -79,19 +79,15 @@ pub(super) async fn list_sessions(
         .flatten();
     // Sessions of agents this server does not serve are left out, so a page
     // may hold fewer than `limit`; the cursor still moves past them.
-    let sessions: Vec<Value> = flows
+    let sessions = flows
         .into_iter()
         .filter(|f| state.deployment.config.agents.contains_key(&f.flow_type))
-        .map(|f| {
-            json!({
-                "session_id": f.flow_id, "agent": f.flow_type, "status": f.status,
-                "created_at": f.created_at, "updated_at": f.updated_at, "error": f.error,
-            })
-        })
+        .map(SessionSummary::from)
         .collect();
-    Ok(Json(
-        json!({ "sessions": sessions, "next_cursor": next_cursor }),
-    ))
+    Ok(Json(SessionList {
+        sessions,
+        next_cursor,
+    }))
 }
 
 #[derive(Deserialize)]
@@ -111,7 +107,7 @@ pub(super) async fn step_history(
     State(state): State<ApiState>,
     Path(session_id): Path<String>,
     params: Result<Query<HistoryQuery>, QueryRejection>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<StepHistory>, ApiError> {
     let params = query(params)?;
     state.session(&session_id).await?;
     let limit = params
@@ -126,8 +122,8 @@ pub(super) async fn step_history(
     let more = page.len() > limit;
     page.truncate(limit);
     let next_after = more.then(|| page.last().map(|(id, _)| *id)).flatten();
-    let steps: Vec<_> = page.into_iter().map(|(_, entry)| entry).collect();
-    Ok(Json(json!({ "steps": steps, "next_after": next_after })))
+    let steps = page.into_iter().map(|(_, entry)| entry).collect();
+    Ok(Json(StepHistory { steps, next_after }))
 }
 
 #[cfg(test)]
@@ -152,7 +148,7 @@ mod tests {
             let err = decode_cursor(bad).expect_err(bad);
             assert_eq!(
                 (err.status, err.code),
-                (StatusCode::BAD_REQUEST, "invalid_cursor")
+                (StatusCode::BAD_REQUEST, ErrorCode::InvalidCursor)
             );
         }
     }

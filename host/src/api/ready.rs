@@ -11,7 +11,7 @@ use std::time::{Duration, Instant, UNIX_EPOCH};
 use axum::Json;
 use serde_json::json;
 
-use super::error::ApiError;
+use super::error::{ApiError, ErrorCode};
 use super::ApiState;
 
 /// How long a store read's answer stands for later probes.
@@ -37,7 +37,7 @@ pub(super) async fn readyz(State(state): State<ApiState>) -> Response {
     if let Some(since_ms) = state.deployment.store_health.unavailable_since_ms() {
         return ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
-            "store_unavailable",
+            ErrorCode::StoreUnavailable,
             format!(
                 "the store has refused this process's worker since {} (Unix ms {since_ms}); \
                  the worker backs off and resumes by itself when it answers",
@@ -51,7 +51,7 @@ pub(super) async fn readyz(State(state): State<ApiState>) -> Response {
     } else {
         ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
-            "store_unavailable",
+            ErrorCode::StoreUnavailable,
             "the store does not answer reads; see this process's log",
         )
         .into_response()

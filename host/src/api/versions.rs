@@ -11,11 +11,12 @@ use axum::extract::{DefaultBodyLimit, Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use schemars::JsonSchema;
 use serde::Deserialize;
-use serde_json::{json, Value};
 
-use super::{body, ApiError, ApiState};
-use crate::catalog::{ActivationMode, RUNNER_ROLE};
+use super::answers::{Activated, ComponentAdded, ComponentList};
+use super::{body, ApiError, ApiState, ErrorCode};
+use crate::catalog::{ActivationMode, AgentVersions, RUNNER_ROLE};
 use crate::config::activate::{
     activate, add_component, rollback_reason, rollback_request, versions_report, ActivationRefused,
     ActivationRequest, VersionSource,
@@ -68,13 +69,13 @@ fn refused(err: ActivationRefused) -> ApiError {
     if err.log_moved {
         return ApiError::new(
             StatusCode::CONFLICT,
-            "activation_log_moved",
+            ErrorCode::ActivationLogMoved,
             err.to_string(),
         );
     }
     ApiError::new(
         StatusCode::UNPROCESSABLE_ENTITY,
-        "activation_refused",
+        ErrorCode::ActivationRefused,
         err.to_string(),
     )
 }
@@ -98,9 +99,9 @@ impl ApiState {
 }
 
 /// `GET /v1/components`.
-async fn list_components(State(state): State<ApiState>) -> Result<Json<Value>, ApiError> {
-    let records = state.deployment.catalog.list_components().await?;
-    Ok(Json(json!({ "components": records })))
+async fn list_components(State(state): State<ApiState>) -> Result<Json<ComponentList>, ApiError> {
+    let components = state.deployment.catalog.list_components().await?;
+    Ok(Json(ComponentList { components }))
 }
 
 /// `POST /v1/components`: the body is the component's bytes.
@@ -108,7 +109,7 @@ async fn upload_component(
     State(state): State<ApiState>,
     headers: HeaderMap,
     bytes: Bytes,
-) -> Result<(StatusCode, Json<Value>), ApiError> {
+) -> Result<(StatusCode, Json<ComponentAdded>), ApiError> {
     if bytes.is_empty() {
         return Err(ApiError::bad_request(
             "send the component's bytes (application/wasm) as the body",
@@ -129,14 +130,20 @@ async fn upload_component(
     } else {
         StatusCode::OK
     };
-    Ok((status, Json(json!({"component": record, "added": added}))))
+    Ok((
+        status,
+        Json(ComponentAdded {
+            component: record,
+            added,
+        }),
+    ))
 }
 
 /// `GET /v1/agents/{agent}/versions`.
 async fn agent_versions(
     State(state): State<ApiState>,
     Path(agent): Path<String>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<AgentVersions>, ApiError> {
     state.known_agent(&agent)?;
     Ok(Json(
         versions_report(&*state.deployment.catalog, &agent).await?,
@@ -144,16 +151,21 @@ async fn agent_versions(
 }
 
 /// What `POST /v1/agents/{agent}/activations` takes.
-#[derive(Deserialize)]
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(rename = "Activate")]
 pub struct ActivateBody {
-    /// `runner` or a tool component's name in `dexa.toml`.
+    /// `runner`, or a tool component's name in dexa.toml.
+    #[schemars(length(min = 1))]
     pub role: String,
-    /// The version, already uploaded.
+    /// 64 hex digits of an uploaded version.
+    #[schemars(regex(pattern = "^[0-9a-fA-F]{64}$"))]
     pub digest: String,
-    /// Send this percent of sessions (1-99) to it; absent: every new turn.
+    /// Percent of sessions (stable by session id); absent: every new turn.
     #[serde(default, deserialize_with = "ramp_percent")]
+    #[schemars(with = "u8", range(min = 1, max = 99))]
     pub ramp: Option<u8>,
+    /// Move turns pinned to another runner at their next RunModel.
     #[serde(default)]
     pub upgrade_in_flight: bool,
     #[serde(default)]
@@ -179,7 +191,7 @@ where
 async fn run_activation(
     state: &ApiState,
     request: ActivationRequest,
-) -> Result<(StatusCode, Json<Value>), ApiError> {
+) -> Result<(StatusCode, Json<Activated>), ApiError> {
     role_component(&state.deployment.config, &request.agent, &request.role)
         .map_err(ApiError::not_found)?;
     let engine = state.engine().await?;
@@ -193,7 +205,9 @@ async fn run_activation(
     .map_err(refused)?;
     Ok((
         StatusCode::CREATED,
-        Json(json!({ "activation": activation })),
+        Json(Activated {
+            activation: activation.into(),
+        }),
     ))
 }
 
@@ -203,7 +217,7 @@ async fn activate_version(
     Path(agent): Path<String>,
     headers: HeaderMap,
     payload: Result<Json<ActivateBody>, JsonRejection>,
-) -> Result<(StatusCode, Json<Value>), ApiError> {
+) -> Result<(StatusCode, Json<Activated>), ApiError> {
     state.known_agent(&agent)?;
     let request = body(payload)?;
     let VersionSource::Digest(digest) = VersionSource::parse(&request.digest) else {
@@ -232,11 +246,13 @@ async fn activate_version(
 }
 
 /// What `POST /v1/agents/{agent}/rollback` takes.
-#[derive(Deserialize, Default)]
+#[derive(Deserialize, Default, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(rename = "Rollback")]
 pub struct RollbackBody {
     /// `runner` (the default) or a tool component's name.
     #[serde(default, deserialize_with = "super::not_null")]
+    #[schemars(with = "String", length(min = 1))]
     pub role: Option<String>,
     #[serde(default)]
     pub upgrade_in_flight: bool,
@@ -250,14 +266,20 @@ async fn roll_back(
     Path(agent): Path<String>,
     headers: HeaderMap,
     payload: Result<Json<RollbackBody>, JsonRejection>,
-) -> Result<(StatusCode, Json<Value>), ApiError> {
+) -> Result<(StatusCode, Json<Activated>), ApiError> {
     state.known_agent(&agent)?;
     let request = body(payload)?;
     let role = request.role.unwrap_or_else(|| RUNNER_ROLE.to_string());
     role_component(&state.deployment.config, &agent, &role).map_err(ApiError::not_found)?;
     let target = rollback_request(&*state.deployment.catalog, &agent, &role)
         .await
-        .map_err(|err| ApiError::new(StatusCode::CONFLICT, "nothing_to_roll_back", err.reason))?;
+        .map_err(|err| {
+            ApiError::new(
+                StatusCode::CONFLICT,
+                ErrorCode::NothingToRollBack,
+                err.reason,
+            )
+        })?;
     run_activation(
         &state,
         ActivationRequest {
@@ -291,12 +313,15 @@ mod tests {
         let moved = refused(refusal(true));
         assert_eq!(
             (moved.status, moved.code),
-            (StatusCode::CONFLICT, "activation_log_moved")
+            (StatusCode::CONFLICT, ErrorCode::ActivationLogMoved)
         );
         let bad = refused(refusal(false));
         assert_eq!(
             (bad.status, bad.code),
-            (StatusCode::UNPROCESSABLE_ENTITY, "activation_refused")
+            (
+                StatusCode::UNPROCESSABLE_ENTITY,
+                ErrorCode::ActivationRefused
+            )
         );
         assert!(bad.message.contains("why"));
     }

@@ -13,11 +13,14 @@
 //! names, and verifying a component before it is activated is the caller's
 //! job (`config::versions`).
 
+mod report;
 mod state;
 
+pub use report::{ActivationEntry, ActivationModeName, AgentVersions, Ramp, RoleVersions};
 pub use state::{ramp_bucket, RoleState, RoleStates};
 
 use async_trait::async_trait;
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::flow::{StoreError, StoreMillis};
@@ -30,7 +33,7 @@ pub const RUNNER_ROLE: &str = "runner";
 pub const CONFIG_ACTOR: &str = "config";
 
 /// One tool a tool component serves, as it answered `list-tools`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct CatalogTool {
     pub name: String,
     /// The effect it declares (`read`, `write`...), if any.
@@ -38,11 +41,12 @@ pub struct CatalogTool {
 }
 
 /// A component version and what the host learned when it verified it.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct ComponentRecord {
     /// The SHA-256 of its bytes, in hex.
     pub digest: String,
     /// `runner` or `tool`.
+    #[schemars(extend("enum" = ["runner", "tool"]))]
     pub world: String,
     /// The WIT package it implements (`dex:agents@0.2.0`).
     pub wit_package: String,

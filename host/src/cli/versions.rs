@@ -169,7 +169,9 @@ pub async fn versions(args: VersionsArgs) -> anyhow::Result<()> {
             args.catalog.config.display()
         );
     }
-    print(versions_report(&*deployment.catalog, &args.agent).await?)
+    print(serde_json::to_value(
+        versions_report(&*deployment.catalog, &args.agent).await?,
+    )?)
 }
 
 fn split_tool(spec: &str) -> anyhow::Result<(String, String)> {

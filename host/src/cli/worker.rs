@@ -8,7 +8,7 @@ use std::sync::{Arc, OnceLock};
 use anyhow::Context;
 use clap::Args;
 
-use crate::api::error::ApiError;
+use crate::api::error::{ApiError, ErrorCode};
 use crate::config::deploy::LoadProgress;
 use crate::config::{Deployment, DexaConfig};
 use crate::flow::{ClaimedTask, FlowStore, StoreHealth};
@@ -197,13 +197,13 @@ fn worker_ready(loaded: Option<&Loaded>) -> axum::response::Response {
     match loaded {
         None => ApiError::new(
             unavailable,
-            "loading",
+            ErrorCode::Loading,
             "the worker is loading its components",
         )
         .into_response(),
         Some(loaded) if loaded.health.unavailable_since_ms().is_some() => ApiError::new(
             unavailable,
-            "store_unavailable",
+            ErrorCode::StoreUnavailable,
             "the store refuses this worker's claims; it backs off and resumes by itself",
         )
         .into_response(),

@@ -9,13 +9,11 @@ use std::sync::{Arc, OnceLock};
 
 use tokio::sync::Semaphore;
 
-use serde_json::{json, Value};
-
 use super::versions::{role_component, runner_record, tool_record};
 use super::DexaConfig;
 use crate::catalog::{
-    short_digest, ActivateIf, Activation, ActivationMode, CatalogError, CatalogStore,
-    ComponentRecord, NewActivation, RoleStates, RUNNER_ROLE,
+    short_digest, ActivateIf, Activation, ActivationMode, AgentVersions, CatalogError,
+    CatalogStore, ComponentRecord, NewActivation, RoleStates, RUNNER_ROLE,
 };
 use crate::plugin::cache::sha256_hex;
 use crate::plugin::{ComponentSettings, LoadError, RunnerComponent, SandboxEngine, ToolComponent};
@@ -414,27 +412,11 @@ pub fn rollback_reason(target: &str, reason: String) -> String {
     }
 }
 
-/// An agent's activation log, and what each role takes now.
+/// `agent`'s activation log and what each role takes now.
 pub async fn versions_report(
     catalog: &dyn CatalogStore,
     agent: &str,
-) -> Result<Value, crate::flow::StoreError> {
+) -> Result<AgentVersions, crate::flow::StoreError> {
     let log = catalog.activations(Some(agent)).await?;
-    let states = RoleStates::from_log(&log);
-    let roles: serde_json::Map<String, Value> = states
-        .roles
-        .iter()
-        .map(|((_, role), state)| {
-            (
-                role.clone(),
-                json!({
-                    "current": state.current,
-                    "ramp": state.ramp.as_ref().map(|(d, p)| json!({"digest": d, "percent": p})),
-                    "upgrade_in_flight": state.upgrades_in_flight(),
-                    "moving_off": state.superseded.keys().collect::<Vec<_>>(),
-                }),
-            )
-        })
-        .collect();
-    Ok(json!({"agent": agent, "roles": roles, "log": log}))
+    Ok(AgentVersions::from_log(agent, log))
 }

@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// JSON, the engine's value type for inputs, state and messages.
@@ -383,11 +384,18 @@ pub struct ClaimedTask {
 }
 
 /// The final report of one Step execution, kept per flow.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct StepHistoryEntry {
+    #[schemars(extend("enum" = [
+        history::EXECUTE_COMPLETED,
+        history::ATTEMPT_FAILED,
+        history::EXECUTE_FAILED,
+        history::REDELIVERED
+    ]))]
     pub event_type: String,
     pub step_type: String,
     pub step_execution_id: String,
+    #[schemars(range(min = 1))]
     pub final_attempt: u32,
     pub at: StoreMillis,
     pub detail: Option<String>,
@@ -395,9 +403,10 @@ pub struct StepHistoryEntry {
     /// was kept).
     #[serde(default)]
     pub started_at: Option<StoreMillis>,
-    /// The version (digest) of the component the attempt ran, when the
-    /// Step ran one and said which.
+    /// Only when the Step ran a component: the SHA-256 (hex) of the
+    /// version (runner or tool) the reported attempt ran.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "String", regex(pattern = "^[0-9a-f]{64}$"))]
     pub component: Option<String>,
 }
 
@@ -415,7 +424,7 @@ pub mod history {
 }
 
 /// Where a flow stands.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum FlowStatus {
     Running,

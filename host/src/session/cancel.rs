@@ -9,9 +9,8 @@
 //! `steps/cancel.rs`). A cancel while another is still pending merges
 //! into it, so that no steering message is lost.
 
-use serde_json::json;
-
 use super::client::{AgentSessionClient, SessionError};
+use super::event_data::TurnCancelRequested;
 use super::records::*;
 use super::steps::{step, CancelTurnInput, TakenStep};
 use crate::flow::{FlowStatus, MapQuery, Registry, RpcError, StateTx, StepCall, StoreError};
@@ -127,7 +126,10 @@ pub(super) fn take_turn(
         step_execution_id: String::new(),
         attempt: 0,
         origin: None,
-        data: json!({ "steered": steer.is_some() }),
+        data: serde_json::to_value(TurnCancelRequested {
+            steered: steer.is_some(),
+        })
+        .map_err(|err| corrupt("an event", err))?,
     };
     tx.append(
         AGENT_EVENTS,

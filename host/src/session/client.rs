@@ -251,6 +251,7 @@ fn snapshot(tx: &mut dyn StateTx, session_id: &str) -> Result<Option<AgentSnapsh
     let queued_message_count = tx.channel_len(QUEUED_USER_MESSAGES, "")?;
     Ok(Some(AgentSnapshot {
         session_id: session_id.to_string(),
+        agent: flow.flow_type.clone(),
         flow_status: flow.status,
         state,
         messages: recent,

@@ -15,6 +15,9 @@ use serde_json::json;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
+use super::event_data::{
+    EventData, GuestLog, ReasoningDelta, TextDelta, ToolCallFinished, ToolCallStarted,
+};
 use super::records::{event_type, AgentEvent, AGENT_EVENTS, ORIGIN_GUEST};
 use crate::flow::{Heartbeat, Json, StepContext, StoreError};
 use crate::plugin::{
@@ -38,8 +41,11 @@ pub fn session_event(tag: &StepTag, event_type: &str, data: Json) -> Json {
 }
 
 /// Event types only the host writes; a guest's `write-event` may not use them,
-/// so that no component can fake the session's own record of what happened.
-const RESERVED: [&str; 15] = [
+/// so that no component can fake the session's own record of what happened
+/// (or end a client's event stream).
+pub(super) const RESERVED: [&str; 17] = [
+    event_type::VERSION_CHANGED,
+    event_type::SESSION_ENDED,
     event_type::GUEST_LOG,
     event_type::TURN_STARTED,
     event_type::TURN_CANCEL_REQUESTED,
@@ -101,37 +107,35 @@ fn guest_event(event: TaggedEvent, managed: &HashSet<String>) -> Option<Json> {
         }
     }
     let (kind, data) = match event.event {
-        GuestEvent::TextDelta { text } => {
-            (event_type::TEXT_DELTA.to_string(), json!({"text": text}))
-        }
-        GuestEvent::ReasoningDelta { text } => (
-            event_type::REASONING_DELTA.to_string(),
-            json!({"text": text}),
-        ),
+        GuestEvent::TextDelta { text } => typed(&TextDelta { text }),
+        GuestEvent::ReasoningDelta { text } => typed(&ReasoningDelta { text }),
         GuestEvent::ToolCallStarted {
             tool_call_id,
             tool_name,
-        } => (
-            event_type::TOOL_CALL_STARTED.to_string(),
-            json!({"tool_call_id": tool_call_id, "tool_name": tool_name}),
-        ),
+        } => typed(&ToolCallStarted {
+            tool_call_id,
+            tool_name,
+        }),
         GuestEvent::ToolCallFinished {
             tool_call_id,
             tool_name,
             status,
-        } => (
-            event_type::TOOL_CALL_FINISHED.to_string(),
-            json!({"tool_call_id": tool_call_id, "tool_name": tool_name, "status": status}),
-        ),
+        } => typed(&ToolCallFinished {
+            tool_call_id,
+            tool_name,
+            status,
+        }),
         GuestEvent::GuestLog {
             component,
             stream,
             text,
             dropped_bytes,
-        } => (
-            event_type::GUEST_LOG.to_string(),
-            json!({"component": component, "stream": stream, "text": text, "dropped_bytes": dropped_bytes}),
-        ),
+        } => typed(&GuestLog {
+            component,
+            stream,
+            text,
+            dropped_bytes,
+        }),
         GuestEvent::Custom {
             event_type,
             payload,
@@ -147,6 +151,14 @@ fn guest_event(event: TaggedEvent, managed: &HashSet<String>) -> Option<Json> {
         }
     };
     Some(guest_payload(&event.tag, &kind, data))
+}
+
+/// A guest event of one of the host's types, with that type's data.
+fn typed<D: EventData>(data: &D) -> (String, Json) {
+    (
+        D::TYPE.to_string(),
+        serde_json::to_value(data).unwrap_or(Json::Null),
+    )
 }
 
 /// The longest text one merged delta entry holds: consecutive text (or

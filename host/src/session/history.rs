@@ -7,8 +7,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
-use serde_json::json;
 
+use super::event_data::ContextCost;
 use super::records::{
     message_sequence_key, AgentMessage, MessageRole, AGENT_COMPACTIONS, AGENT_MESSAGES,
 };
@@ -122,13 +122,13 @@ pub(crate) struct HistoryMeter {
 
 impl HistoryMeter {
     /// The figures, with the bytes of the context the call was handed.
-    pub fn report(&self, context_bytes: usize, host_micros: u64) -> serde_json::Value {
-        json!({
-            "history_reads": self.reads.load(Ordering::Relaxed),
-            "messages_read": self.messages.load(Ordering::Relaxed),
-            "guest_input_bytes": context_bytes as u64 + self.bytes.load(Ordering::Relaxed),
-            "host_micros": host_micros + self.micros.load(Ordering::Relaxed),
-        })
+    pub fn report(&self, context_bytes: usize, host_micros: u64) -> ContextCost {
+        ContextCost {
+            history_reads: self.reads.load(Ordering::Relaxed),
+            messages_read: self.messages.load(Ordering::Relaxed),
+            guest_input_bytes: context_bytes as u64 + self.bytes.load(Ordering::Relaxed),
+            host_micros: host_micros + self.micros.load(Ordering::Relaxed),
+        }
     }
 }
 

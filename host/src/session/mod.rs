@@ -12,6 +12,7 @@
 mod cancel;
 mod client;
 mod components;
+pub mod event_data;
 mod events;
 mod flow;
 mod history;

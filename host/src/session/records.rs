@@ -1,6 +1,7 @@
 //! The session's durable records and the values its RPCs and events carry.
 //! The wire carries plain snake_case strings for every enum.
 
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::flow::{FlowStatus, Json, StepContext, StoreMillis};
@@ -65,7 +66,7 @@ pub fn interrupt_id(turn_id: &str, tool_call_id: &str) -> String {
 }
 
 /// What the session is doing.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum SessionStatus {
     WaitingForUserMessage,
@@ -74,7 +75,7 @@ pub enum SessionStatus {
 }
 
 /// The session's state Attribute.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct AgentState {
     pub status: SessionStatus,
     /// Turns started so far; the active turn is `turn-<turn_count>`.
@@ -85,12 +86,14 @@ pub struct AgentState {
     pub message_count: u64,
     /// Why the last failed turn failed; cleared when a later turn completes.
     pub last_turn_error: Option<String>,
-    /// The runner version (digest) the open turn is pinned to: every Step of
-    /// the turn runs it. None between turns.
+    /// Only during a turn: the runner version (digest) it is pinned to;
+    /// every Step of the turn runs it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "String")]
     pub runner_digest: Option<String>,
-    /// The open turn's trace (from its user message). None between turns.
+    /// Only during a turn: its W3C trace (from its user message).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "TurnTrace")]
     pub turn_trace: Option<TurnTrace>,
 }
 
@@ -118,7 +121,7 @@ impl AgentState {
 }
 
 /// Who a message is from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum MessageRole {
     User,
@@ -150,9 +153,10 @@ impl From<MessageRole> for wit::MessageRole {
 }
 
 /// A stored message.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct AgentMessage {
     /// Position in the session, from 1.
+    #[schemars(range(min = 1))]
     pub sequence: u64,
     pub turn_id: String,
     pub role: MessageRole,
@@ -188,7 +192,7 @@ impl AgentMessage {
 }
 
 /// What running a tool does to the world.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ToolEffect {
     Read,
@@ -259,7 +263,7 @@ impl ToolPolicy {
 }
 
 /// Where a tool call stands.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ToolCallStatus {
     Pending,
@@ -268,8 +272,9 @@ pub enum ToolCallStatus {
     Failed,
     Rejected,
     OutcomeUnknown,
-    /// The turn was cancelled before the call finished (a call that may run
-    /// again, or one that never started).
+    // The turn was cancelled before the call finished (a call that may run
+    // again, or one that never started). (A plain comment: a documented
+    // variant would split the schema's enum.)
     Cancelled,
 }
 
@@ -305,7 +310,7 @@ impl From<ToolCallStatus> for wit::ToolCallStatus {
 }
 
 /// The durable record of one tool call of the active turn.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct AgentToolCall {
     pub tool_call_id: String,
     pub turn_id: String,
@@ -323,14 +328,17 @@ pub struct AgentToolCall {
     /// what the turn's tool-output budget had left when it was deferred.
     /// More is cut, with a marker that says so.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "u64")]
     pub output_limit: Option<u64>,
     /// The tool component that runs the call (its name in `dexa.toml`);
-    /// none when the runner runs it.
+    /// absent when the runner runs it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "String")]
     pub component: Option<String>,
     /// The version (digest) the call is pinned to, decided when it was
     /// deferred: every attempt and retry runs it, on any worker.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "String")]
     pub digest: Option<String>,
 }
 
@@ -359,14 +367,15 @@ impl AgentToolCall {
 }
 
 /// A tool call waiting for a person's approval.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct AgentInterrupt {
     pub interrupt_id: String,
     pub turn_id: String,
     pub tool_call_id: String,
     pub tool_name: String,
+    /// The model's JSON text.
     pub arguments: String,
-    /// On the store's clock, whole seconds; none waits forever.
+    /// When it expires (ms, on the store's clock); null waits forever.
     pub deadline: Option<StoreMillis>,
 }
 
@@ -378,7 +387,7 @@ pub struct AgentInterruptResolution {
 }
 
 /// Token usage.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct AgentUsage {
     pub input_tokens: u64,
     pub output_tokens: u64,
@@ -444,23 +453,29 @@ pub struct AgentSessionStartInput {
 }
 
 /// `resolve_interrupt`'s request.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[schemars(rename = "ResolveInterrupt")]
 pub struct ResolveInterruptRequest {
+    /// `<turn_id>/<tool_call_id>`, as `pending_interrupts` gives it.
     pub interrupt_id: String,
     pub approved: bool,
-    /// Kept only for a rejection.
+    /// What the model reads for a rejection; ignored for an approval.
     #[serde(default)]
     pub rejection_message: Option<String>,
 }
 
 /// Everything a UI needs to draw a session.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct AgentSnapshot {
     pub session_id: String,
+    /// The session's agent.
+    #[serde(default)]
+    pub agent: String,
     pub flow_status: FlowStatus,
-    /// None until StartAgentSession commits.
+    /// Null until the session's first Step commits.
     pub state: Option<AgentState>,
-    /// The last [`SNAPSHOT_MESSAGES`] messages, oldest first.
+    /// The last messages, oldest first.
+    #[schemars(description = format!("The last {SNAPSHOT_MESSAGES} messages, oldest first"))]
     pub messages: Vec<AgentMessage>,
     pub pending_interrupts: Vec<AgentInterrupt>,
     /// The active turn's tool calls, in deferral order.
@@ -484,7 +499,7 @@ pub struct ListAgentMessagesRequest {
 }
 
 /// A page of messages.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct AgentMessagesPage {
     pub messages: Vec<AgentMessage>,
     /// Pass it as `after_sequence` for the next page; none when this page is
@@ -518,22 +533,31 @@ pub mod event_type {
     /// What a guest printed to stdout or stderr in one call (kept up to a
     /// cap; `dropped_bytes` counts the rest).
     pub const GUEST_LOG: &str = "guest_log";
+    /// Not a stored type: the name of the event stream's last event, once
+    /// the session has ended. No guest event may take it.
+    pub const SESSION_ENDED: &str = "session_ended";
 }
 
 /// One event of the session's stream. Every event carries the turn, the Step
-/// execution (shared by its attempts) and the attempt.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// execution (shared by its attempts) and the attempt. (The document's
+/// event schemas are this envelope, with `type` and `data` by event type:
+/// see [`super::event_data`].)
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct AgentEvent {
     #[serde(rename = "type")]
     pub event_type: String,
     pub turn_id: String,
+    /// Shared by every attempt of one Step execution; empty on an event
+    /// written outside a Step (`turn_cancel_requested`).
     pub step_execution_id: String,
+    /// The Step attempt; 0 outside a Step.
     pub attempt: u32,
     /// Who wrote it: absent for the host's own record of what happened;
-    /// [`ORIGIN_GUEST`] for an event a component wrote during its call (a
-    /// runner's or its model's deltas, a framework's tool events, custom
-    /// events), which no client may take for the host's.
+    /// `guest` for an event a component wrote during its call (a runner's
+    /// or its model's deltas, a framework's tool events, custom events),
+    /// which no client may take for the host's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "String", extend("enum" = [ORIGIN_GUEST]))]
     pub origin: Option<String>,
     pub data: Json,
 }

@@ -25,6 +25,7 @@ use opentelemetry::{Context, KeyValue};
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::{IdGenerator, RandomIdGenerator, SdkTracerProvider};
 use opentelemetry_sdk::Resource;
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// Whether an exporter is installed: until then nothing is built.
@@ -40,7 +41,7 @@ pub const ENDPOINT_VARIABLES: [&str; 2] = [
 
 /// The trace a turn belongs to, carried with its user message and then the
 /// session's state (W3C ids in lower-case hex).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct TurnTrace {
     /// 32 hex digits: the sender's trace, or a new one.
     pub trace_id: String,
@@ -49,6 +50,7 @@ pub struct TurnTrace {
     /// The span of the request that sent the message, when it sent a
     /// `traceparent`: the turn's parent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "String")]
     pub parent_span_id: Option<String>,
     /// False when the sender's `traceparent` said not to record.
     pub sampled: bool,

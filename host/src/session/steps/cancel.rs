@@ -134,14 +134,13 @@ impl SessionSteps {
             }
             result = result.append(
                 AGENT_EVENTS,
-                session_event(
+                host_event(
                     &tag,
-                    event_type::TOOL_CALL_FINISHED,
-                    json!({
-                        "tool_call_id": record.tool_call_id,
-                        "tool_name": record.tool_name,
-                        "status": record.status.as_str(),
-                    }),
+                    &ToolCallFinished {
+                        tool_call_id: record.tool_call_id.clone(),
+                        tool_name: record.tool_name.clone(),
+                        status: record.status.as_str().to_string(),
+                    },
                 ),
             );
         }
@@ -168,15 +167,14 @@ impl SessionSteps {
             .delete(CANCEL_REQUESTED, "")
             .append(
                 AGENT_EVENTS,
-                session_event(
+                host_event(
                     &tag,
-                    event_type::TURN_CANCELLED,
-                    json!({
-                        "cancelled_tool_calls": cancelled,
-                        "outcome_unknown_tool_calls": unknown,
-                        "steered": !input.steer.is_empty(),
-                        "note_error": note_error,
-                    }),
+                    &TurnCancelled {
+                        cancelled_tool_calls: cancelled,
+                        outcome_unknown_tool_calls: unknown,
+                        steered: !input.steer.is_empty(),
+                        note_error,
+                    },
                 ),
             );
         let Some(first) = steer.next() else {

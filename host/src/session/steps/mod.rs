@@ -12,7 +12,12 @@ use serde::Serialize;
 use serde_json::json;
 
 use super::components::{AgentComponents, PinnedRunner, ToolSet, VersionError};
-use super::events::{session_event, BackgroundHeartbeat, StepEvents, StepHeartbeats};
+use super::event_data::{
+    host_event, HistoryCompacted, InterruptRaised, InterruptResolved, ToolCallDeferred,
+    ToolCallFinished, ToolCallStarted, TurnCancelled, TurnCompleted, TurnFailed, TurnStarted,
+    UsageRecorded, VersionChanged,
+};
+use super::events::{BackgroundHeartbeat, StepEvents, StepHeartbeats};
 use super::history::{check_compaction, newest_compaction_query, AgentCompaction, StoredHistory};
 use super::limits::{
     cut, output_share, ERROR_TEXT_BYTES, NOTE_ARGUMENTS_BYTES, NOTE_BYTES, NOTE_OUTCOME_BYTES,
@@ -233,14 +238,13 @@ fn finalize(tag: &StepTag, record: &AgentToolCall, result: StepResult) -> StepRe
         )
         .append(
             AGENT_EVENTS,
-            session_event(
+            host_event(
                 tag,
-                event_type::TOOL_CALL_FINISHED,
-                json!({
-                    "tool_call_id": record.tool_call_id,
-                    "tool_name": record.tool_name,
-                    "status": record.status.as_str(),
-                }),
+                &ToolCallFinished {
+                    tool_call_id: record.tool_call_id.clone(),
+                    tool_name: record.tool_name.clone(),
+                    status: record.status.as_str().to_string(),
+                },
             ),
         )
 }

@@ -74,7 +74,11 @@ impl SessionSteps {
                 .map_err(version_error)?
             {
                 Some(to) => {
-                    hop = Some(json!({"from": pinned, "to": to.to, "why": to.why}));
+                    hop = Some(VersionChanged {
+                        from: pinned,
+                        to: to.to.clone(),
+                        why: to.why,
+                    });
                     to.to
                 }
                 None => pinned,
@@ -148,20 +152,16 @@ impl SessionSteps {
             // Host time: before the guest ran, after it returned, and the
             // history pages it read while it ran.
             let host = before_guest + after_guest.elapsed();
-            let usage_event = session_event(
+            let usage_event = host_event(
                 &tag,
-                event_type::USAGE_RECORDED,
-                json!({
-                    "recorded": recorded,
-                    "session": usage,
-                    "context": history.meter.report(context_bytes, host.as_micros() as u64),
-                }),
+                &UsageRecorded {
+                    recorded,
+                    session: usage,
+                    context: history.meter.report(context_bytes, host.as_micros() as u64),
+                },
             );
             let hop_writes = match hop {
-                Some(hop) => StepResult::end().append(
-                    AGENT_EVENTS,
-                    session_event(&tag, event_type::VERSION_CHANGED, hop),
-                ),
+                Some(hop) => StepResult::end().append(AGENT_EVENTS, host_event(&tag, &hop)),
                 None => StepResult::end(),
             };
             match outcome {
@@ -194,10 +194,11 @@ impl SessionSteps {
                         .append(AGENT_EVENTS, usage_event)
                         .append(
                             AGENT_EVENTS,
-                            session_event(
+                            host_event(
                                 &tag,
-                                event_type::HISTORY_COMPACTED,
-                                json!({"through_sequence": compaction.through_sequence}),
+                                &HistoryCompacted {
+                                    through_sequence: compaction.through_sequence,
+                                },
                             ),
                         ))
                 }
@@ -236,10 +237,11 @@ impl SessionSteps {
                         .append(AGENT_EVENTS, usage_event)
                         .append(
                             AGENT_EVENTS,
-                            session_event(
+                            host_event(
                                 &tag,
-                                event_type::TURN_COMPLETED,
-                                json!({"message_count": count}),
+                                &TurnCompleted {
+                                    message_count: count,
+                                },
                             ),
                         ))
                 }
@@ -315,17 +317,16 @@ impl SessionSteps {
                             .set_entry(AGENT_TOOL_CALLS, &record.tool_call_id, to_json(&record))
                             .append(
                                 AGENT_EVENTS,
-                                session_event(
+                                host_event(
                                     &tag,
-                                    event_type::TOOL_CALL_DEFERRED,
-                                    json!({
-                                        "tool_call_id": record.tool_call_id,
-                                        "tool_name": record.tool_name,
-                                        "effect": effect.as_str(),
-                                        "requires_approval": requires_approval,
-                                        "component": record.component,
-                                        "digest": record.digest,
-                                    }),
+                                    &ToolCallDeferred {
+                                        tool_call_id: record.tool_call_id.clone(),
+                                        tool_name: record.tool_name.clone(),
+                                        effect,
+                                        requires_approval,
+                                        component: record.component.clone(),
+                                        digest: record.digest.clone(),
+                                    },
                                 ),
                             );
                         if requires_approval {
@@ -350,15 +351,14 @@ impl SessionSteps {
                                 )
                                 .append(
                                     AGENT_EVENTS,
-                                    session_event(
+                                    host_event(
                                         &tag,
-                                        event_type::INTERRUPT_RAISED,
-                                        json!({
-                                            "interrupt_id": interrupt.interrupt_id,
-                                            "tool_call_id": interrupt.tool_call_id,
-                                            "tool_name": interrupt.tool_name,
-                                            "deadline": deadline,
-                                        }),
+                                        &InterruptRaised {
+                                            interrupt_id: interrupt.interrupt_id.clone(),
+                                            tool_call_id: interrupt.tool_call_id.clone(),
+                                            tool_name: interrupt.tool_name.clone(),
+                                            deadline,
+                                        },
                                     ),
                                 );
                             next.push(await_approval_call(

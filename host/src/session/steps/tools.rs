@@ -24,15 +24,14 @@ impl SessionSteps {
         let tag = Self::tag(&ctx, &record.turn_id);
         let interrupt = interrupt_id(&record.turn_id, &id);
         let resolved = |approved: bool, rejection: &Option<String>, expired: bool| {
-            session_event(
+            host_event(
                 &tag,
-                event_type::INTERRUPT_RESOLVED,
-                json!({
-                    "interrupt_id": interrupt,
-                    "approved": approved,
-                    "rejection_message": rejection,
-                    "expired": expired,
-                }),
+                &InterruptResolved {
+                    interrupt_id: interrupt.clone(),
+                    approved,
+                    rejection_message: rejection.clone(),
+                    expired,
+                },
             )
         };
         if let Some(message) = ctx.messages().first() {
@@ -115,10 +114,12 @@ impl SessionSteps {
         ctx.record_component(&digest);
         // Durable output before the tool runs: a lost worker now means the
         // next attempt (or the failure route), never a silent second run.
-        let started = session_event(
+        let started = host_event(
             &tag,
-            event_type::TOOL_CALL_STARTED,
-            json!({"tool_call_id": id, "tool_name": record.tool_name}),
+            &ToolCallStarted {
+                tool_call_id: id.clone(),
+                tool_name: record.tool_name.clone(),
+            },
         );
         // (Dropped by the store if it cannot fit the stream.)
         ctx.heartbeat_with_events(AGENT_EVENTS, vec![started])

@@ -206,10 +206,12 @@ impl SessionSteps {
                     .set(AGENT_STATE, to_json(&state))
                     .append(
                         AGENT_EVENTS,
-                        session_event(
+                        host_event(
                             &tag,
-                            event_type::TURN_FAILED,
-                            json!({"error": error, "message_id": user.message_id}),
+                            &TurnFailed {
+                                error,
+                                message_id: Some(user.message_id.clone()),
+                            },
                         ),
                     ));
             }
@@ -233,10 +235,13 @@ impl SessionSteps {
             .set(AGENT_STATE, to_json(&state))
             .append(
                 AGENT_EVENTS,
-                session_event(
+                host_event(
                     &tag,
-                    event_type::TURN_STARTED,
-                    json!({"sequence": sequence, "runner": runner, "message_id": user.message_id}),
+                    &TurnStarted {
+                        sequence,
+                        runner,
+                        message_id: user.message_id.clone(),
+                    },
                 ),
             ))
     }
@@ -330,7 +335,13 @@ impl SessionSteps {
             .set(AGENT_STATE, to_json(&state))
             .append(
                 AGENT_EVENTS,
-                session_event(&tag, event_type::TURN_FAILED, json!({"error": error})),
+                host_event(
+                    &tag,
+                    &TurnFailed {
+                        error,
+                        message_id: None,
+                    },
+                ),
             ))
     }
 }
