@@ -154,14 +154,14 @@ pub fn router(state: ApiState) -> Router {
     request_log::around(app)
 }
 
-/// `GET /healthz`: the process is up and serving HTTP. Also served by the
-/// health-check reserve when the API's connections are all taken.
-/// The document, built once per process.
+/// `GET /openapi.json`: the document, built once per process.
 async fn openapi_json() -> Json<Value> {
     static DOCUMENT: std::sync::OnceLock<Value> = std::sync::OnceLock::new();
     Json(DOCUMENT.get_or_init(openapi::document).clone())
 }
 
+/// `GET /healthz`: the process is up and serving HTTP. Also served by the
+/// health-check reserve when the API's connections are all taken.
 async fn healthz() -> Json<Value> {
     Json(json!({"ok": true}))
 }

@@ -277,17 +277,12 @@ pub(crate) fn agent_event_schema(generator: &mut SchemaGenerator) -> Schema {
             "description": "The host's own event types (a guest's own events add others)"}),
     );
     let envelope = AgentEvent::json_schema(generator);
-    let variant = |kind: Schema, data: Schema, description: String, origin: bool| -> Schema {
+    let variant = |kind: Schema, data: Schema, description: String| -> Schema {
         let mut schema = envelope.clone();
         schema.insert("description".into(), description.into());
         if let Some(properties) = schema.get_mut("properties").and_then(|p| p.as_object_mut()) {
             properties.insert("type".into(), kind.to_value());
             properties.insert("data".into(), data.to_value());
-        }
-        if origin {
-            if let Some(required) = schema.get_mut("required").and_then(|r| r.as_array_mut()) {
-                required.push("origin".into());
-            }
         }
         schema
     };
@@ -297,7 +292,6 @@ pub(crate) fn agent_event_schema(generator: &mut SchemaGenerator) -> Schema {
             json_schema!({"type": "string", "const": name}),
             data,
             format!("A `{name}` event"),
-            false,
         );
         variants.push(named(generator, &format!("{}Event", camel(name)), schema));
     }
@@ -305,8 +299,9 @@ pub(crate) fn agent_event_schema(generator: &mut SchemaGenerator) -> Schema {
         json_schema!({"type": "string", "description": "A guest's own event type: none of the host's, nor `session_ended`",
             "not": {"anyOf": [event_types, {"const": event_type::SESSION_ENDED}]}}),
         json_schema!({"type": "object", "description": "The guest's own payload"}),
-        format!("A guest's own event (`origin` is `{ORIGIN_GUEST}`)"),
-        true,
+        format!(
+            "A guest's own event: `origin` is `{ORIGIN_GUEST}` (absent only from events an older dexa stored)"
+        ),
     );
     variants.push(named(generator, "GuestEvent", guest));
     json_schema!({
@@ -539,10 +534,10 @@ mod tests {
         let custom = json!({"type": "my_progress", "turn_id": "turn-1", "step_execution_id": "x",
             "attempt": 1, "origin": ORIGIN_GUEST, "data": {"any": [1, "thing"]}});
         assert!(validator.is_valid(&custom));
-        // ...and says so.
-        let mut unmarked = custom.clone();
-        unmarked.as_object_mut().map(|event| event.remove("origin"));
-        assert!(!validator.is_valid(&unmarked));
+        // ...and no host type is taken for one.
+        let mut forged = custom.clone();
+        forged["type"] = json!(event_type::TURN_COMPLETED);
+        assert!(!validator.is_valid(&forged));
         // An event an older dexa stored, without the fields added since.
         let mut older = host_event(
             &tag(),
