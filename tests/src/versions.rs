@@ -45,6 +45,36 @@ pub fn digest_of(bytes: &[u8]) -> String {
     dexa::plugin::cache::sha256_hex(bytes)
 }
 
+/// `wasm` with every `@0.2.0` of its names turned into `@{version}`: what
+/// the same guest built against that version of `dex:agents` imports (the
+/// version has the same length, so the binary stays valid).
+pub fn built_against(wasm: &[u8], version: &str) -> Vec<u8> {
+    let (from, to) = (
+        format!("@{}", dexa::plugin::WIT_VERSION),
+        format!("@{version}"),
+    );
+    assert_eq!(from.len(), to.len());
+    let (from, to) = (from.as_bytes(), to.as_bytes());
+    let mut out = wasm.to_vec();
+    let mut replaced = 0;
+    let mut i = 0;
+    while i + from.len() <= out.len() {
+        if &out[i..i + from.len()] == from {
+            out[i..i + from.len()].copy_from_slice(to);
+            replaced += 1;
+            i += from.len();
+        } else {
+            i += 1;
+        }
+    }
+    assert!(
+        replaced > 0,
+        "no {} name in the component",
+        dexa::plugin::WIT_PACKAGE
+    );
+    out
+}
+
 /// Writes a variant of guest `guest` into the stack's directory; returns its
 /// path and digest.
 pub fn write_variant(stack: &AgentTestStack, guest: &str, tag: &str) -> (PathBuf, String) {

@@ -6,12 +6,16 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use dexa::session::{event_type, step, ResolveInterruptRequest, ToolEffect};
+use dexa::catalog::{ActivateIf, ActivationMode, ComponentRecord, NewActivation};
+use dexa::plugin::WIT_PACKAGE;
+use dexa::session::{
+    event_type, step, AgentState, ResolveInterruptRequest, ToolEffect, AGENT_STATE,
+};
 use dexa_tests::guest_bytes;
 use dexa_tests::kit::{render_config, wait_until, AgentTestStack, KitAgent, KitSettings};
 use dexa_tests::session::all_events;
 use dexa_tests::session::{wait_for_agent_snapshot_within, wait_for_turns_within};
-use dexa_tests::versions::{dexa_cli, digest_of, versions_by_turn, write_variant};
+use dexa_tests::versions::{self, dexa_cli, digest_of, versions_by_turn, write_variant};
 use serde_json::{json, Value};
 
 fn call(id: &str, tool: &str, args: Value) -> Value {
@@ -532,6 +536,242 @@ async fn a_rollback_serves_new_turns_the_old_version_and_upgrade_in_flight_moves
             .is_some_and(|w| w.contains("v2 is broken")),
         "{hops:?}"
     );
+}
+
+/// The approval a session's turn waits for.
+async fn pending_approval(
+    sessions: &dexa::session::AgentSessionClient,
+    id: &str,
+) -> dexa::session::AgentInterrupt {
+    wait_for_agent_snapshot_within(sessions, id, "the approval", TURN_WAIT, |s| {
+        s.pending_interrupts.first().cloned()
+    })
+    .await
+}
+
+/// Approves the one pending approval of session `id`.
+async fn approve(sessions: &dexa::session::AgentSessionClient, id: &str) {
+    let interrupt = pending_approval(sessions, id).await;
+    sessions
+        .resolve_interrupt(
+            id,
+            ResolveInterruptRequest {
+                interrupt_id: interrupt.interrupt_id,
+                approved: true,
+                rejection_message: None,
+            },
+        )
+        .await
+        .unwrap();
+}
+
+/// Pins the turn in flight of session `id` to runner version `digest`, as
+/// the host that started the turn would have.
+async fn pin_turn(stack: &AgentTestStack, id: &str, digest: &str) {
+    let digest = digest.to_string();
+    stack
+        .deployment
+        .store
+        .rpc(
+            id,
+            Box::new(move |tx| {
+                let stored = tx.get(AGENT_STATE, "")?.expect("the session's state");
+                let mut state: AgentState = serde_json::from_value(stored.value).unwrap();
+                assert!(state.runner_digest.is_some(), "no turn in flight");
+                state.runner_digest = Some(digest);
+                tx.set(AGENT_STATE, "", serde_json::to_value(&state).unwrap())?;
+                Ok(Box::new(()))
+            }),
+        )
+        .await
+        .unwrap();
+}
+
+/// The upgrade path of docs/guest-authors.md ("Upgrading a component to a
+/// new WIT version"), end to end, with real workers. Turns in flight are
+/// pinned to a runner built against `dex:agents@0.1.0`, which this host
+/// refuses to load:
+/// - skipping the activation, such a turn fails at its next RunModel, with
+///   the message naming both versions and the guide;
+/// - following the guide (stop the worker, activate the rebuilt runner with
+///   `--upgrade-in-flight`, start a worker), the turn finishes on the
+///   rebuilt runner, a `version_changed` records the move, its tool call
+///   runs once, and new turns take the rebuilt runner.
+///
+/// One binary plays both hosts: what the older host left in the store (its
+/// build in the catalog and the log, the turns pinned to it) is written
+/// through the store's own interfaces while no worker runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_pinned_to_a_runner_of_the_old_wit_finishes_on_the_rebuilt_one_after_the_documented_upgrade(
+) {
+    let agent = KitAgent::scripted(
+        "Upgrade",
+        json!({"turns": [{"steps": [
+            {"tool_calls": [call("g", "gate", json!({"name": "upgrade-gate", "timeout_ms": 60000}))]},
+            {"text": "done"}
+        ]}]}),
+    )
+    .tool("gate-tool")
+    .policy("gate", ToolEffect::Read, Some(true));
+    let mut stack = AgentTestStack::new(vec![agent]);
+    stack.gate("upgrade-gate").release();
+    let first = stack.start_worker();
+    wait_for_bootstrap(&stack, "Upgrade").await;
+    let sessions = stack.sessions("Upgrade");
+    // Each turn waits for an approval between its two RunModels.
+    for id in ["skipped", "held"] {
+        sessions.start_session(id, "go").await.unwrap();
+        pending_approval(&sessions, id).await;
+    }
+
+    // 2. Stop the workers (nothing runs: the turns wait in the store).
+    stack.worker(first).terminate();
+    assert!(
+        stack
+            .worker(first)
+            .wait_for_exit(Duration::from_secs(60))
+            .await
+            .is_some(),
+        "the worker did not stop"
+    );
+
+    // What the older host left: its runner build (against 0.1.0), added and
+    // activated, and the turns pinned to it.
+    let old_bytes = versions::built_against(&guest_bytes("scripted-runner"), "0.1.0");
+    let old = digest_of(&old_bytes);
+    let old_path = stack.dir.path().join("scripted-runner-0.1.0.wasm");
+    std::fs::write(&old_path, &old_bytes).unwrap();
+    let refused = dexa_cli(
+        &stack,
+        &["component", "add", &old_path.to_string_lossy()],
+        &[],
+    );
+    assert!(
+        !refused.success,
+        "this host added a 0.1.0 build: {refused:?}"
+    );
+    for part in [
+        "dex:agents@0.1.0",
+        "Upgrading a component to a new WIT version",
+    ] {
+        assert!(refused.stderr.contains(part), "{part:?}: {refused:?}");
+    }
+    let catalog = &stack.deployment.catalog;
+    catalog
+        .add_component(
+            ComponentRecord {
+                digest: old.clone(),
+                world: "runner".into(),
+                wit_package: "dex:agents@0.1.0".into(),
+                tools: Vec::new(),
+                size: old_bytes.len() as u64,
+                added_at: 0,
+                added_by: "the older host".into(),
+            },
+            old_bytes,
+        )
+        .await
+        .unwrap();
+    catalog
+        .activate(
+            NewActivation {
+                agent: "Upgrade".into(),
+                role: "runner".into(),
+                digest: old.clone(),
+                mode: ActivationMode::Current,
+                upgrade_in_flight: false,
+                actor: "the older host".into(),
+                reason: String::new(),
+                after_seq: None,
+            },
+            ActivateIf::Always,
+        )
+        .await
+        .unwrap();
+    pin_turn(&stack, "skipped", &old).await;
+    pin_turn(&stack, "held", &old).await;
+
+    // Skipping step 3: the new host cannot run the pinned build; the turn
+    // fails with the way out in its error.
+    let control = stack.start_worker();
+    approve(&sessions, "skipped").await;
+    let failed = wait_for_turns_within(&sessions, "skipped", 1, TURN_WAIT).await;
+    let error = failed
+        .state
+        .and_then(|s| s.last_turn_error)
+        .expect("the turn on the 0.1.0 build failed");
+    for part in [
+        "dex:agents@0.1.0",
+        WIT_PACKAGE,
+        "Upgrading a component to a new WIT version",
+    ] {
+        assert!(error.contains(part), "{part:?} missing from: {error}");
+    }
+    stack.worker(control).terminate();
+    assert!(
+        stack
+            .worker(control)
+            .wait_for_exit(Duration::from_secs(60))
+            .await
+            .is_some(),
+        "the worker did not stop"
+    );
+
+    // 3. With the new binary, activate the rebuilt runner, moving turns in
+    // flight; 4. start the workers.
+    let (rebuilt_path, rebuilt) = write_variant(&stack, "scripted-runner", "rebuilt");
+    let activation = activate(
+        &stack,
+        "Upgrade",
+        &[
+            "--runner",
+            &rebuilt_path.to_string_lossy(),
+            "--upgrade-in-flight",
+            "--reason",
+            "rebuilt against 0.2.0",
+        ],
+    );
+    assert_eq!(activation["digest"], json!(rebuilt));
+    stack.start_worker();
+    approve(&sessions, "held").await;
+    let done = wait_for_turns_within(&sessions, "held", 1, TURN_WAIT).await;
+    assert_eq!(done.state.and_then(|s| s.last_turn_error), None);
+    let history = stack.read_step_history("held").await;
+    let run_models: Vec<&str> = history
+        .iter()
+        .filter(|e| e.step_type == step::RUN_MODEL)
+        .filter_map(|e| e.component.as_deref())
+        .collect();
+    assert_eq!(
+        run_models,
+        vec![built("scripted-runner").as_str(), rebuilt.as_str()],
+        "the first RunModel ran before the turn was pinned to the old build, \
+         the second on the rebuilt one: {history:?}"
+    );
+    let hops: Vec<Value> = all_events(&sessions, "held")
+        .await
+        .into_iter()
+        .filter(|e| e.event_type == event_type::VERSION_CHANGED)
+        .map(|e| e.data)
+        .collect();
+    assert_eq!(hops.len(), 1, "{hops:?}");
+    assert_eq!(hops[0]["from"], json!(old));
+    assert_eq!(hops[0]["to"], json!(rebuilt));
+    // The gated tool call ran once in each session: approved, it ran before
+    // the next RunModel; nothing ran twice across the restarts.
+    assert_eq!(
+        stack.invocations().count("upgrade-gate"),
+        2,
+        "one per session"
+    );
+    // New turns take the rebuilt runner.
+    sessions.start_session("fresh", "go").await.unwrap();
+    let pinned =
+        wait_for_agent_snapshot_within(&sessions, "fresh", "the new turn's pin", TURN_WAIT, |s| {
+            s.state.as_ref().and_then(|s| s.runner_digest.clone())
+        })
+        .await;
+    assert_eq!(pinned, rebuilt);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -3,32 +3,12 @@
 //! link error about a missing import.
 //!
 //! The old-version components are made from this release's own builds by
-//! renaming the package version in their import names (same length, so the
-//! binary stays valid): exactly what a guest built against 0.1.0 imports.
+//! renaming the package version in their import names
+//! ([`built_against`]): exactly what a guest built against 0.1.0 imports.
 
-use dexa::plugin::{ComponentSettings, LoadError, WIT_PACKAGE, WIT_VERSION};
+use dexa::plugin::{ComponentSettings, LoadError, WIT_PACKAGE};
+use dexa_tests::versions::built_against;
 use dexa_tests::{guest_bytes, test_engine};
-
-/// `wasm` with every `@0.2.0` of its names turned into `@{version}`.
-fn built_against(wasm: &[u8], version: &str) -> Vec<u8> {
-    let (from, to) = (format!("@{WIT_VERSION}"), format!("@{version}"));
-    assert_eq!(from.len(), to.len());
-    let (from, to) = (from.as_bytes(), to.as_bytes());
-    let mut out = wasm.to_vec();
-    let mut replaced = 0;
-    let mut i = 0;
-    while i + from.len() <= out.len() {
-        if &out[i..i + from.len()] == from {
-            out[i..i + from.len()].copy_from_slice(to);
-            replaced += 1;
-            i += from.len();
-        } else {
-            i += 1;
-        }
-    }
-    assert!(replaced > 0, "no {WIT_PACKAGE} name in the component");
-    out
-}
 
 fn assert_names_both_versions(err: &LoadError, name: &str) {
     assert!(matches!(err, LoadError::WitVersion { .. }), "{err:?}");
