@@ -510,23 +510,9 @@ async fn a_rollback_serves_new_turns_the_old_version_and_upgrade_in_flight_moves
     tokio::time::sleep(Duration::from_millis(600)).await;
     stack.gate("roll-gate").release();
     wait_for_turns_within(&sessions, "moved", 1, TURN_WAIT).await;
-    let history = stack.read_step_history("moved").await;
-    let run_models: Vec<&str> = history
-        .iter()
-        .filter(|e| e.step_type == step::RUN_MODEL)
-        .filter_map(|e| e.component.as_deref())
-        .collect();
-    assert_eq!(
-        run_models,
-        vec![new.as_str(), newest.as_str()],
-        "{history:?}"
-    );
-    let hops: Vec<Value> = all_events(&sessions, "moved")
-        .await
-        .into_iter()
-        .filter(|e| e.event_type == event_type::VERSION_CHANGED)
-        .map(|e| e.data)
-        .collect();
+    let (run_models, history) = run_model_versions(&stack, "moved").await;
+    assert_eq!(run_models, vec![new.clone(), newest.clone()], "{history:?}");
+    let hops = version_hops(&sessions, "moved").await;
     assert_eq!(hops.len(), 1, "{hops:?}");
     assert_eq!(hops[0]["from"], json!(new));
     assert_eq!(hops[0]["to"], json!(newest));
@@ -535,6 +521,44 @@ async fn a_rollback_serves_new_turns_the_old_version_and_upgrade_in_flight_moves
             .as_str()
             .is_some_and(|w| w.contains("v2 is broken")),
         "{hops:?}"
+    );
+}
+
+/// The runner versions session `id`'s RunModel Steps ran, in order, and
+/// the Step history they were read from (for messages).
+async fn run_model_versions(
+    stack: &AgentTestStack,
+    id: &str,
+) -> (Vec<String>, Vec<dexa::flow::StepHistoryEntry>) {
+    let history = stack.read_step_history(id).await;
+    let versions = history
+        .iter()
+        .filter(|e| e.step_type == step::RUN_MODEL)
+        .filter_map(|e| e.component.clone())
+        .collect();
+    (versions, history)
+}
+
+/// The data of session `id`'s `version_changed` events.
+async fn version_hops(sessions: &dexa::session::AgentSessionClient, id: &str) -> Vec<Value> {
+    all_events(sessions, id)
+        .await
+        .into_iter()
+        .filter(|e| e.event_type == event_type::VERSION_CHANGED)
+        .map(|e| e.data)
+        .collect()
+}
+
+/// SIGTERM to worker `index`, as an operator stops it, and its exit.
+async fn stop_worker(stack: &mut AgentTestStack, index: usize) {
+    stack.worker(index).terminate();
+    assert!(
+        stack
+            .worker(index)
+            .wait_for_exit(Duration::from_secs(60))
+            .await
+            .is_some(),
+        "the worker did not stop"
     );
 }
 
@@ -625,15 +649,7 @@ async fn a_turn_pinned_to_a_runner_of_the_old_wit_finishes_on_the_rebuilt_one_af
     }
 
     // 2. Stop the workers (nothing runs: the turns wait in the store).
-    stack.worker(first).terminate();
-    assert!(
-        stack
-            .worker(first)
-            .wait_for_exit(Duration::from_secs(60))
-            .await
-            .is_some(),
-        "the worker did not stop"
-    );
+    stop_worker(&mut stack, first).await;
 
     // What the older host left: its runner build (against 0.1.0), added and
     // activated, and the turns pinned to it.
@@ -707,15 +723,7 @@ async fn a_turn_pinned_to_a_runner_of_the_old_wit_finishes_on_the_rebuilt_one_af
     ] {
         assert!(error.contains(part), "{part:?} missing from: {error}");
     }
-    stack.worker(control).terminate();
-    assert!(
-        stack
-            .worker(control)
-            .wait_for_exit(Duration::from_secs(60))
-            .await
-            .is_some(),
-        "the worker did not stop"
-    );
+    stop_worker(&mut stack, control).await;
 
     // 3. With the new binary, activate the rebuilt runner, moving turns in
     // flight; 4. start the workers.
@@ -736,24 +744,14 @@ async fn a_turn_pinned_to_a_runner_of_the_old_wit_finishes_on_the_rebuilt_one_af
     approve(&sessions, "held").await;
     let done = wait_for_turns_within(&sessions, "held", 1, TURN_WAIT).await;
     assert_eq!(done.state.and_then(|s| s.last_turn_error), None);
-    let history = stack.read_step_history("held").await;
-    let run_models: Vec<&str> = history
-        .iter()
-        .filter(|e| e.step_type == step::RUN_MODEL)
-        .filter_map(|e| e.component.as_deref())
-        .collect();
+    let (run_models, history) = run_model_versions(&stack, "held").await;
     assert_eq!(
         run_models,
-        vec![built("scripted-runner").as_str(), rebuilt.as_str()],
+        vec![built("scripted-runner"), rebuilt.clone()],
         "the first RunModel ran before the turn was pinned to the old build, \
          the second on the rebuilt one: {history:?}"
     );
-    let hops: Vec<Value> = all_events(&sessions, "held")
-        .await
-        .into_iter()
-        .filter(|e| e.event_type == event_type::VERSION_CHANGED)
-        .map(|e| e.data)
-        .collect();
+    let hops = version_hops(&sessions, "held").await;
     assert_eq!(hops.len(), 1, "{hops:?}");
     assert_eq!(hops[0]["from"], json!(old));
     assert_eq!(hops[0]["to"], json!(rebuilt));
