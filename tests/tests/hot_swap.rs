@@ -22,6 +22,21 @@ fn call(id: &str, tool: &str, args: Value) -> Value {
     json!({"id": id, "name": tool, "arguments": args})
 }
 
+/// An agent whose one turn calls the `gate` tool (a read, held at `gate`
+/// until the test releases it) and then answers "done"; `requires_approval`
+/// is the tool's approval policy.
+fn gated_agent(name: &str, gate: &str, requires_approval: Option<bool>) -> KitAgent {
+    KitAgent::scripted(
+        name,
+        json!({"turns": [{"steps": [
+            {"tool_calls": [call("g", "gate", json!({"name": gate, "timeout_ms": 60000}))]},
+            {"text": "done"}
+        ]}]}),
+    )
+    .tool("gate-tool")
+    .policy("gate", ToolEffect::Read, requires_approval)
+}
+
 /// The digest of a guest as built.
 fn built(guest: &str) -> String {
     digest_of(&guest_bytes(guest))
@@ -272,15 +287,7 @@ async fn a_runner_activated_mid_conversation_fails_no_turn_and_each_turn_keeps_i
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tool_call_runs_on_its_deferral_version_after_a_swap_and_a_kill() {
-    let agent = KitAgent::scripted(
-        "Swap",
-        json!({"turns": [{"steps": [
-            {"tool_calls": [call("g", "gate", json!({"name": "swap-gate", "timeout_ms": 60000}))]},
-            {"text": "done"}
-        ]}]}),
-    )
-    .tool("gate-tool")
-    .policy("gate", ToolEffect::Read, Some(true));
+    let agent = gated_agent("Swap", "swap-gate", Some(true));
     let mut stack = AgentTestStack::new(vec![agent]);
     let first = stack.start_worker();
     let sessions = stack.sessions("Swap");
@@ -432,15 +439,7 @@ async fn an_activation_killed_before_its_log_entry_is_absent_and_no_step_runs_an
 async fn a_rollback_serves_new_turns_the_old_version_and_upgrade_in_flight_moves_open_turns() {
     // Each turn defers one gated tool call, so a test can hold it between
     // its two RunModels.
-    let agent = KitAgent::scripted(
-        "Roll",
-        json!({"turns": [{"steps": [
-            {"tool_calls": [call("g", "gate", json!({"name": "roll-gate", "timeout_ms": 60000}))]},
-            {"text": "done"}
-        ]}]}),
-    )
-    .tool("gate-tool")
-    .policy("gate", ToolEffect::Read, None);
+    let agent = gated_agent("Roll", "roll-gate", None);
     let mut stack = AgentTestStack::new(vec![agent]);
     stack.start_worker();
     wait_for_bootstrap(&stack, "Roll").await;
@@ -628,15 +627,7 @@ async fn pin_turn(stack: &AgentTestStack, id: &str, digest: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_turn_pinned_to_a_runner_of_the_old_wit_finishes_on_the_rebuilt_one_after_the_documented_upgrade(
 ) {
-    let agent = KitAgent::scripted(
-        "Upgrade",
-        json!({"turns": [{"steps": [
-            {"tool_calls": [call("g", "gate", json!({"name": "upgrade-gate", "timeout_ms": 60000}))]},
-            {"text": "done"}
-        ]}]}),
-    )
-    .tool("gate-tool")
-    .policy("gate", ToolEffect::Read, Some(true));
+    let agent = gated_agent("Upgrade", "upgrade-gate", Some(true));
     let mut stack = AgentTestStack::new(vec![agent]);
     stack.gate("upgrade-gate").release();
     let first = stack.start_worker();
@@ -922,15 +913,7 @@ async fn a_ten_percent_ramp_over_a_thousand_sessions_lands_within_three_points()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gc_keeps_every_version_in_use_and_every_step_ran_its_pin() {
-    let agent = KitAgent::scripted(
-        "Gc",
-        json!({"turns": [{"steps": [
-            {"tool_calls": [call("g", "gate", json!({"name": "gc-gate", "timeout_ms": 60000}))]},
-            {"text": "done"}
-        ]}]}),
-    )
-    .tool("gate-tool")
-    .policy("gate", ToolEffect::Read, None);
+    let agent = gated_agent("Gc", "gc-gate", None);
     let mut stack = AgentTestStack::new(vec![agent]);
     stack.start_worker();
     stack.start_worker();
@@ -1034,15 +1017,7 @@ async fn gc_keeps_every_version_in_use_and_every_step_ran_its_pin() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pinned_version_whose_bytes_are_missing_fails_its_step_and_runs_nothing_else() {
-    let agent = KitAgent::scripted(
-        "Missing",
-        json!({"turns": [{"steps": [
-            {"tool_calls": [call("g", "gate", json!({"name": "missing-gate", "timeout_ms": 60000}))]},
-            {"text": "done"}
-        ]}]}),
-    )
-    .tool("gate-tool")
-    .policy("gate", ToolEffect::Read, None);
+    let agent = gated_agent("Missing", "missing-gate", None);
     let mut stack = AgentTestStack::new(vec![agent]);
     let first = stack.start_worker();
     wait_for_bootstrap(&stack, "Missing").await;
