@@ -3,7 +3,8 @@
 //!
 //! - Writes of a process go through one writer thread, which runs whatever is
 //!   queued in one `BEGIN IMMEDIATE` transaction with a savepoint per write
-//!   (group commit) and answers each write only after the commit. Other
+//!   (group commit; a write queued alone needs none) and answers each write
+//!   only after the commit. Other
 //!   processes wait on SQLite's lock (busy timeout 5 s).
 //! - Reads use their own connections, which WAL lets run beside writes.
 //! - Between batches the writer polls `PRAGMA data_version` every 10 ms and
