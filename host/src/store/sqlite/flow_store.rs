@@ -1,0 +1,345 @@
+//! [`FlowStore`] on SQLite: each operation as a read on a pooled connection
+//! or a write on the writer, calling the table modules beside it.
+
+use std::any::Any;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use tokio::sync::Notify;
+
+use super::sql::now_millis;
+use super::{claims, flows, history, queue, rpc, state, streams, tasks, SqliteStore};
+use crate::flow::store::{
+    AttemptFailure, ExpiredLease, FlowStore, RpcBody, RpcError, StateAnswer, StateQuery,
+    StepCommit, StoreError,
+};
+use crate::flow::types::{
+    ClaimedTask, FlowCursor, FlowInfo, Json, MapQuery, NewTask, StateWrite, StepHistoryEntry,
+    StoreMillis, StreamPage, TaskCounts, Versioned,
+};
+
+#[async_trait]
+impl FlowStore for SqliteStore {
+    async fn now(&self) -> Result<StoreMillis, StoreError> {
+        Ok(now_millis())
+    }
+
+    fn work_signal(&self) -> Arc<Notify> {
+        self.inner.signal.clone()
+    }
+
+    fn stream_signal(&self, flow_id: &str) -> Option<Arc<Notify>> {
+        Some(self.inner.streams.stream(flow_id))
+    }
+
+    fn revocation_signal(&self, flow_id: &str) -> Option<Arc<Notify>> {
+        Some(self.inner.revocations.stream(flow_id))
+    }
+
+    fn revocation_generation(&self) -> u64 {
+        self.inner.revocations.generation()
+    }
+
+    async fn create_flow(
+        &self,
+        flow_id: &str,
+        flow_type: &str,
+        first: NewTask,
+    ) -> Result<(), StoreError> {
+        let (flow_id, flow_type) = (flow_id.to_string(), flow_type.to_string());
+        self.write(move |tx, now| flows::create_flow(tx, now, flow_id, &flow_type, &first))
+            .await
+    }
+
+    async fn flow(&self, flow_id: &str) -> Result<Option<FlowInfo>, StoreError> {
+        let flow_id = flow_id.to_string();
+        self.read(move |conn, _| flows::flow_info(conn, &flow_id))
+            .await
+    }
+
+    async fn task_counts(&self) -> Result<TaskCounts, StoreError> {
+        // A scan of every task: off the runtime's threads.
+        self.read_blocking(move |conn, _| queue::task_counts(conn))
+            .await
+    }
+
+    async fn list_flows(
+        &self,
+        flow_type: Option<&str>,
+        after: Option<&FlowCursor>,
+        limit: usize,
+    ) -> Result<Vec<FlowInfo>, StoreError> {
+        let flow_type = flow_type.map(str::to_string);
+        let after = after.cloned();
+        self.read(move |conn, _| {
+            flows::list_flows(conn, flow_type.as_deref(), after.as_ref(), limit)
+        })
+        .await
+    }
+
+    async fn stop_flow(&self, flow_id: &str) -> Result<bool, StoreError> {
+        let flow = flow_id.to_string();
+        let stopped = self
+            .write(move |tx, now| flows::stop_flow(tx, now, &flow))
+            .await?;
+        if stopped {
+            self.inner.revocations.wake(flow_id);
+        }
+        Ok(stopped)
+    }
+
+    async fn claim(
+        &self,
+        worker_id: &str,
+        flow_types: &[String],
+        max: usize,
+        lease_ms: i64,
+    ) -> Result<Vec<ClaimedTask>, StoreError> {
+        if flow_types.is_empty() || max == 0 {
+            return Ok(Vec::new());
+        }
+        // Most looks find nothing; a read says so without taking the writer.
+        // A task made ready after this read wakes the worker again.
+        let probe = flow_types.to_vec();
+        if !self
+            .read(move |conn, now| claims::any_claimable(conn, now, &probe))
+            .await?
+        {
+            return Ok(Vec::new());
+        }
+        let worker_id = worker_id.to_string();
+        let flow_types = flow_types.to_vec();
+        self.write_quietly(move |tx, now| {
+            claims::claim(
+                tx,
+                now,
+                &worker_id,
+                claims::ClaimScope::FlowTypes(&flow_types),
+                max,
+                lease_ms,
+            )
+        })
+        .await
+    }
+
+    async fn renew_leases(
+        &self,
+        worker_id: &str,
+        held: &[(i64, i64)],
+        lease_ms: i64,
+    ) -> Result<Vec<(i64, i64)>, StoreError> {
+        let worker_id = worker_id.to_string();
+        let held = held.to_vec();
+        self.write_quietly(move |tx, now| tasks::renew_leases(tx, now, &worker_id, held, lease_ms))
+            .await
+    }
+
+    async fn lease_held(&self, task_id: i64, lease_token: i64) -> Result<bool, StoreError> {
+        self.read(move |conn, _| tasks::lease_held(conn, task_id, lease_token))
+            .await
+    }
+
+    async fn record_output(&self, task_id: i64, lease_token: i64) -> Result<(), StoreError> {
+        self.write_quietly(move |tx, now| tasks::record_output(tx, now, task_id, lease_token))
+            .await
+    }
+
+    async fn commit_step(&self, commit: StepCommit) -> Result<Vec<ClaimedTask>, StoreError> {
+        let appended = commit
+            .writes
+            .iter()
+            .any(|write| matches!(write, StateWrite::Append { .. }))
+            .then(|| commit.flow_id.clone());
+        let claimed = self
+            .write(move |tx, now| {
+                let claim_next = commit.claim_next.clone();
+                let flow_id = commit.flow_id.clone();
+                tasks::commit_step(tx, now, commit)?;
+                match claim_next {
+                    Some(next) if next.max > 0 => claims::claim(
+                        tx,
+                        now,
+                        &next.worker_id,
+                        claims::ClaimScope::Flow(&flow_id),
+                        next.max,
+                        next.lease_ms,
+                    ),
+                    _ => Ok(Vec::new()),
+                }
+            })
+            .await?;
+        if let Some(flow_id) = appended {
+            self.inner.streams.wake(&flow_id);
+        }
+        Ok(claimed)
+    }
+
+    async fn fail_attempt(&self, failure: AttemptFailure) -> Result<(), StoreError> {
+        self.write(move |tx, now| tasks::fail_attempt(tx, now, failure))
+            .await
+    }
+
+    async fn expired_leases(
+        &self,
+        flow_types: &[String],
+        limit: usize,
+    ) -> Result<Vec<ExpiredLease>, StoreError> {
+        if flow_types.is_empty() {
+            return Ok(Vec::new());
+        }
+        let flow_types = flow_types.to_vec();
+        self.read(move |conn, now| tasks::expired_leases(conn, now, &flow_types, limit))
+            .await
+    }
+
+    async fn next_due(&self, flow_types: &[String]) -> Result<Option<StoreMillis>, StoreError> {
+        if flow_types.is_empty() {
+            return Ok(None);
+        }
+        let flow_types = flow_types.to_vec();
+        self.read(move |conn, _| tasks::next_due(conn, &flow_types))
+            .await
+    }
+
+    async fn get(
+        &self,
+        flow_id: &str,
+        name: &str,
+        key: &str,
+    ) -> Result<Option<Versioned>, StoreError> {
+        let (flow_id, name, key) = (flow_id.to_string(), name.to_string(), key.to_string());
+        self.read(move |conn, _| state::get(conn, &flow_id, &name, &key))
+            .await
+    }
+
+    async fn read_map(
+        &self,
+        flow_id: &str,
+        name: &str,
+        query: MapQuery,
+    ) -> Result<Vec<(String, Versioned)>, StoreError> {
+        let (flow_id, name) = (flow_id.to_string(), name.to_string());
+        self.read(move |conn, _| state::read_map(conn, &flow_id, &name, &query))
+            .await
+    }
+
+    async fn channel_len(
+        &self,
+        flow_id: &str,
+        channel: &str,
+        key: &str,
+    ) -> Result<u64, StoreError> {
+        let (flow_id, channel, key) = (flow_id.to_string(), channel.to_string(), key.to_string());
+        self.read(move |conn, _| state::channel_len(conn, &flow_id, &channel, &key))
+            .await
+    }
+
+    async fn record_output_and_append(
+        &self,
+        task_id: i64,
+        lease_token: i64,
+        flow_id: &str,
+        stream: &str,
+        payloads: Vec<Json>,
+    ) -> Result<(), StoreError> {
+        let (flow, stream) = (flow_id.to_string(), stream.to_string());
+        self.write_quietly(move |tx, now| {
+            tasks::record_output(tx, now, task_id, lease_token)?;
+            streams::append_fitting(tx, now, &flow, &stream, &payloads)?;
+            Ok(())
+        })
+        .await?;
+        self.inner.streams.wake(flow_id);
+        Ok(())
+    }
+
+    async fn read_state(
+        &self,
+        flow_id: &str,
+        queries: Vec<StateQuery>,
+    ) -> Result<Vec<StateAnswer>, StoreError> {
+        let flow_id = flow_id.to_string();
+        // Off the runtime: RunModel reads a turn's whole history here.
+        self.read_blocking(move |conn, _| state::read_state(conn, &flow_id, &queries))
+            .await
+    }
+
+    async fn append_stream(
+        &self,
+        flow_id: &str,
+        stream: &str,
+        payloads: Vec<Json>,
+    ) -> Result<Vec<i64>, StoreError> {
+        let (flow, stream) = (flow_id.to_string(), stream.to_string());
+        let seqs = self
+            .write_quietly(move |tx, now| {
+                streams::append_stream(tx, now, &flow, &stream, &payloads)
+            })
+            .await?;
+        self.inner.streams.wake(flow_id);
+        Ok(seqs)
+    }
+
+    async fn read_stream(
+        &self,
+        flow_id: &str,
+        stream: &str,
+        after_seq: i64,
+        limit: usize,
+    ) -> Result<StreamPage, StoreError> {
+        let (flow_id, stream) = (flow_id.to_string(), stream.to_string());
+        self.read(move |conn, _| streams::read_stream(conn, &flow_id, &stream, after_seq, limit))
+            .await
+    }
+
+    async fn set_stream_capacity(
+        &self,
+        flow_id: &str,
+        stream: &str,
+        capacity_bytes: u64,
+    ) -> Result<(), StoreError> {
+        let (flow_id, stream) = (flow_id.to_string(), stream.to_string());
+        self.write_quietly(move |tx, _| {
+            streams::set_stream_capacity(tx, &flow_id, &stream, capacity_bytes)
+        })
+        .await
+    }
+
+    async fn step_history_page(
+        &self,
+        flow_id: &str,
+        after: Option<i64>,
+        limit: usize,
+    ) -> Result<Vec<(i64, StepHistoryEntry)>, StoreError> {
+        let flow_id = flow_id.to_string();
+        self.read(move |conn, _| history::step_history(conn, &flow_id, after, limit))
+            .await
+    }
+
+    async fn rpc(&self, flow_id: &str, body: RpcBody) -> Result<Box<dyn Any + Send>, RpcError> {
+        let flow = flow_id.to_string();
+        let (value, wakes) = self
+            .write_job(true, move |conn, now| rpc::run(conn, flow, now, body))
+            .await?;
+        if wakes.appended {
+            self.inner.streams.wake(flow_id);
+        }
+        if wakes.took {
+            self.inner.revocations.wake(flow_id);
+        }
+        Ok(value)
+    }
+
+    /// On a read connection, off the runtime, in one deferred transaction:
+    /// WAL gives it a snapshot of the last commit, and it never waits for the
+    /// writer nor makes the writer wait.
+    async fn read_rpc(
+        &self,
+        flow_id: &str,
+        body: RpcBody,
+    ) -> Result<Box<dyn Any + Send>, RpcError> {
+        let flow_id = flow_id.to_string();
+        self.read_blocking(move |conn, now| rpc::run_read_only(conn, flow_id, now, body))
+            .await
+    }
+}
