@@ -5,7 +5,7 @@ use async_trait::async_trait;
 use rusqlite::{params, Connection, OptionalExtension};
 
 use super::sql::{backend, cached_execute, cached_query_row};
-use super::SqliteStore;
+use super::{SqliteStore, WriteKind};
 use crate::catalog::{
     ActivateIf, Activation, ActivationMode, CatalogError, CatalogStore, ComponentRecord,
     NewActivation,
@@ -275,7 +275,7 @@ impl CatalogStore for SqliteStore {
         activation: NewActivation,
         only_if: ActivateIf,
     ) -> Result<Option<Activation>, CatalogError> {
-        self.write_job(false, move |conn, now| {
+        self.write_job(WriteKind::QUIET, move |conn, now| {
             append(conn, now, activation, only_if)
         })
         .await

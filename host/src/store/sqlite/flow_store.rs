@@ -8,7 +8,9 @@ use async_trait::async_trait;
 use tokio::sync::Notify;
 
 use super::sql::now_millis;
-use super::{claims, flows, history, queue, rpc, state, streams, tasks, SqliteStore};
+use super::{
+    claims, flows, history, queue, rpc, small, state, streams, tasks, SqliteStore, WriteKind,
+};
 use crate::flow::store::{
     AttemptFailure, ExpiredLease, FlowStore, RpcBody, RpcError, StateAnswer, StateQuery,
     StepCommit, StoreError,
@@ -109,7 +111,8 @@ impl FlowStore for SqliteStore {
         }
         let worker_id = worker_id.to_string();
         let flow_types = flow_types.to_vec();
-        self.write_quietly(move |tx, now| {
+        // Small: a few tasks' rows, read by index, like the inline reads.
+        self.write_as(WriteKind::QUIET.small_if(true), move |tx, now| {
             claims::claim(
                 tx,
                 now,
@@ -130,8 +133,11 @@ impl FlowStore for SqliteStore {
     ) -> Result<Vec<(i64, i64)>, StoreError> {
         let worker_id = worker_id.to_string();
         let held = held.to_vec();
-        self.write_quietly(move |tx, now| tasks::renew_leases(tx, now, &worker_id, held, lease_ms))
-            .await
+        let small = held.len() <= small::MAX_ROWS;
+        self.write_as(WriteKind::QUIET.small_if(small), move |tx, now| {
+            tasks::renew_leases(tx, now, &worker_id, held, lease_ms)
+        })
+        .await
     }
 
     async fn lease_held(&self, task_id: i64, lease_token: i64) -> Result<bool, StoreError> {
@@ -140,8 +146,10 @@ impl FlowStore for SqliteStore {
     }
 
     async fn record_output(&self, task_id: i64, lease_token: i64) -> Result<(), StoreError> {
-        self.write_quietly(move |tx, now| tasks::record_output(tx, now, task_id, lease_token))
-            .await
+        self.write_as(WriteKind::QUIET.small_if(true), move |tx, now| {
+            tasks::record_output(tx, now, task_id, lease_token)
+        })
+        .await
     }
 
     async fn commit_step(&self, commit: StepCommit) -> Result<Vec<ClaimedTask>, StoreError> {
@@ -150,8 +158,9 @@ impl FlowStore for SqliteStore {
             .iter()
             .any(|write| matches!(write, StateWrite::Append { .. }))
             .then(|| commit.flow_id.clone());
+        let kind = WriteKind::WAKES.small_if(small::small_commit(&commit));
         let claimed = self
-            .write(move |tx, now| {
+            .write_as(kind, move |tx, now| {
                 let claim_next = commit.claim_next.clone();
                 let flow_id = commit.flow_id.clone();
                 tasks::commit_step(tx, now, commit)?;
@@ -243,7 +252,8 @@ impl FlowStore for SqliteStore {
         payloads: Vec<Json>,
     ) -> Result<(), StoreError> {
         let (flow, stream) = (flow_id.to_string(), stream.to_string());
-        self.write_quietly(move |tx, now| {
+        let kind = WriteKind::QUIET.small_if(small::small_payloads(&payloads));
+        self.write_as(kind, move |tx, now| {
             tasks::record_output(tx, now, task_id, lease_token)?;
             streams::append_fitting(tx, now, &flow, &stream, &payloads)?;
             Ok(())
@@ -271,8 +281,9 @@ impl FlowStore for SqliteStore {
         payloads: Vec<Json>,
     ) -> Result<Vec<i64>, StoreError> {
         let (flow, stream) = (flow_id.to_string(), stream.to_string());
+        let kind = WriteKind::QUIET.small_if(small::small_payloads(&payloads));
         let seqs = self
-            .write_quietly(move |tx, now| {
+            .write_as(kind, move |tx, now| {
                 streams::append_stream(tx, now, &flow, &stream, &payloads)
             })
             .await?;
@@ -319,7 +330,9 @@ impl FlowStore for SqliteStore {
     async fn rpc(&self, flow_id: &str, body: RpcBody) -> Result<Box<dyn Any + Send>, RpcError> {
         let flow = flow_id.to_string();
         let (value, wakes) = self
-            .write_job(true, move |conn, now| rpc::run(conn, flow, now, body))
+            .write_job(WriteKind::WAKES, move |conn, now| {
+                rpc::run(conn, flow, now, body)
+            })
             .await?;
         if wakes.appended {
             self.inner.streams.wake(flow_id);

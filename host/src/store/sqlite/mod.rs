@@ -1,11 +1,14 @@
 //! The embedded SQLite backend: one file, WAL, shared by any number of
 //! processes on one machine.
 //!
-//! - Writes of a process go through one writer thread, which runs whatever is
-//!   queued in one `BEGIN IMMEDIATE` transaction with a savepoint per write
-//!   (group commit; a write queued alone needs none) and answers each write
-//!   only after the commit. Other
-//!   processes wait on SQLite's lock (busy timeout 5 s).
+//! - Writes of a process share one connection (`writer.rs`). A small write
+//!   (`small.rs`) to a quiet store runs on its caller's thread when the
+//!   store commits without an fsync; any other write is queued for the
+//!   writer thread, which runs whatever is queued in one `BEGIN IMMEDIATE`
+//!   transaction with a savepoint per write (group commit; a write queued
+//!   alone needs none). Each write is answered only after its commit.
+//!   Other processes wait on SQLite's lock (busy timeout 5 s); a write on
+//!   its caller's thread never waits for them, it queues instead.
 //! - Reads use their own connections, which WAL lets run beside writes.
 //! - Between batches the writer polls `PRAGMA data_version` every 10 ms and
 //!   wakes this process's workers when another process has committed;
@@ -30,6 +33,7 @@ mod history;
 mod queue;
 mod rpc;
 mod schema;
+mod small;
 mod sql;
 mod state;
 mod stream_watch;
@@ -41,11 +45,11 @@ use connection::{open_reader, open_writer};
 pub use connection::{SqliteOptions, Synchronous};
 use sql::{backend, now_millis};
 use stream_watch::spawn_stream_watch;
-use writer::{run_writer, spawn_checkpointer, JobDone, WriteJob};
+use writer::{spawn_checkpointer, JobDone, WriteJob, Writer};
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rusqlite::Connection;
@@ -80,6 +84,34 @@ impl Inner {
     }
 }
 
+/// What a write may do, and where it may run.
+#[derive(Clone, Copy, Debug)]
+struct WriteKind {
+    /// It may make a task ready: the workers are woken after its commit.
+    wakes: bool,
+    /// It is small (`small.rs`): it may run on its caller's thread.
+    small: bool,
+}
+
+impl WriteKind {
+    const WAKES: Self = Self {
+        wakes: true,
+        small: false,
+    };
+    const QUIET: Self = Self {
+        wakes: false,
+        small: false,
+    };
+
+    /// The same write, small when `small` says so.
+    const fn small_if(self, small: bool) -> Self {
+        Self {
+            wakes: self.wakes,
+            small,
+        }
+    }
+}
+
 /// The SQLite store. Cheap to clone.
 #[derive(Clone)]
 pub struct SqliteStore {
@@ -89,7 +121,7 @@ pub struct SqliteStore {
 struct Inner {
     path: PathBuf,
     options: SqliteOptions,
-    writer: Mutex<mpsc::Sender<WriteJob>>,
+    writer: Writer,
     readers: Mutex<Vec<Connection>>,
     signal: Arc<Notify>,
     /// The readers of each flow's streams: woken by this process's appends
@@ -127,19 +159,13 @@ impl SqliteStore {
             Arc::downgrade(&streams),
             Arc::downgrade(&revocations),
         )?;
-        let (jobs, queue) = mpsc::channel();
-        std::thread::Builder::new()
-            .name("dexa-sqlite-writer".to_string())
-            .spawn({
-                let signal = signal.clone();
-                move || run_writer(writer, queue, signal, checkpoints)
-            })
-            .map_err(|err| StoreError::Backend(format!("cannot start the writer thread: {err}")))?;
+        let inline = options.synchronous == Synchronous::Normal;
+        let writer = Writer::start(writer, inline, signal.clone(), checkpoints)?;
         Ok(Self {
             inner: Arc::new(Inner {
                 path,
                 options,
-                writer: Mutex::new(jobs),
+                writer,
                 readers: Mutex::new(Vec::new()),
                 signal,
                 streams,
@@ -155,8 +181,8 @@ impl SqliteStore {
     }
 
     /// Runs `work` in the writer's transaction and returns once it committed.
-    /// `wake` says whether it can make a task ready.
-    async fn write_job<T, E, F>(&self, wake: bool, work: F) -> Result<T, E>
+    /// `kind` says whether it can make a task ready and whether it is small.
+    async fn write_job<T, E, F>(&self, kind: WriteKind, work: F) -> Result<T, E>
     where
         T: Send + 'static,
         E: From<StoreError> + Send + 'static,
@@ -177,7 +203,7 @@ impl SqliteStore {
             let ok = result.is_ok();
             JobDone {
                 ok,
-                wake: wake && ok,
+                wake: kind.wakes && ok,
                 deliver: Box::new(move |committed| {
                     let outcome = match (result, committed) {
                         (Ok(value), Ok(())) => Ok(value),
@@ -188,15 +214,10 @@ impl SqliteStore {
                 }),
             }
         });
-        let sent = self
-            .inner
+        self.inner
             .writer
-            .lock()
-            .map_err(|_| E::from(backend("the writer queue is poisoned")))?
-            .send(job);
-        if sent.is_err() {
-            return Err(E::from(backend("the SQLite writer thread has stopped")));
-        }
+            .run(job, kind.small)
+            .map_err(|reason| E::from(backend(reason)))?;
         answer
             .await
             .map_err(|_| E::from(backend("the SQLite writer thread dropped a write")))?
@@ -208,7 +229,16 @@ impl SqliteStore {
         T: Send + 'static,
         F: FnOnce(&Connection, StoreMillis) -> Result<T, StoreError> + Send + 'static,
     {
-        self.write_job(true, work).await
+        self.write_job(WriteKind::WAKES, work).await
+    }
+
+    /// A write of the given kind, failing with a [`StoreError`].
+    async fn write_as<T, F>(&self, kind: WriteKind, work: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Connection, StoreMillis) -> Result<T, StoreError> + Send + 'static,
+    {
+        self.write_job(kind, work).await
     }
 
     /// A write that makes no task ready (claims, lease renewals).
@@ -217,7 +247,7 @@ impl SqliteStore {
         T: Send + 'static,
         F: FnOnce(&Connection, StoreMillis) -> Result<T, StoreError> + Send + 'static,
     {
-        self.write_job(false, work).await
+        self.write_job(WriteKind::QUIET, work).await
     }
 
     /// Runs `work` on a pooled read connection, inline on the calling task.
@@ -265,12 +295,7 @@ impl SqliteStore {
                 deliver: Box::new(|_| {}),
             }
         });
-        self.inner
-            .writer
-            .lock()
-            .map_err(|_| backend("the writer queue is poisoned"))?
-            .send(job)
-            .map_err(|_| backend("the SQLite writer thread has stopped"))?;
+        self.inner.writer.queue(job).map_err(backend)?;
         held.await
             .map_err(|_| backend("the SQLite writer dropped the hold"))
     }

@@ -1,0 +1,128 @@
+//! Which writes are small enough to run on their caller's thread.
+//!
+//! A write runs on its caller's thread only when the store is quiet (see
+//! [`super::writer::Writer`]), and only when it is small: that thread is a
+//! runtime thread other sessions share. A write with a large payload (a big
+//! tool result, a long message) or many rows queues for the writer thread
+//! like any write under load.
+
+use crate::flow::store::StepCommit;
+use crate::flow::types::{Json, StateWrite};
+
+/// At most this many rows inserted or deleted by name.
+pub(super) const MAX_ROWS: usize = 64;
+
+/// At most this many bytes of payload (strings, keys, about 8 per number).
+const MAX_BYTES: usize = 64 << 10;
+
+/// Whether a Step's commit is small. Completing the flow deletes all of its
+/// tasks, however many, so such a commit is never small.
+pub(super) fn small_commit(commit: &StepCommit) -> bool {
+    if commit.complete_flow
+        || commit.writes.len() + commit.next.len() + commit.consumed.len() > MAX_ROWS
+    {
+        return false;
+    }
+    let mut budget = Budget(MAX_BYTES);
+    budget.take(commit.history.detail.as_ref().map_or(0, String::len))
+        && commit.writes.iter().all(|write| budget.write(write))
+        && commit.next.iter().all(|task| budget.json(&task.input))
+}
+
+/// Whether payloads appended to a stream are small.
+pub(super) fn small_payloads(payloads: &[Json]) -> bool {
+    let mut budget = Budget(MAX_BYTES);
+    payloads.len() <= MAX_ROWS && payloads.iter().all(|payload| budget.json(payload))
+}
+
+/// The bytes still allowed.
+struct Budget(usize);
+
+impl Budget {
+    fn take(&mut self, bytes: usize) -> bool {
+        match self.0.checked_sub(bytes) {
+            Some(left) => {
+                self.0 = left;
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn write(&mut self, write: &StateWrite) -> bool {
+        match write {
+            StateWrite::Set { name, key, value } => {
+                self.take(name.len() + key.len()) && self.json(value)
+            }
+            StateWrite::Delete { name, key } => self.take(name.len() + key.len()),
+            // Deletes every key, however many.
+            StateWrite::Clear { .. } => false,
+            StateWrite::Publish {
+                channel,
+                key,
+                payload,
+            } => self.take(channel.len() + key.len()) && self.json(payload),
+            StateWrite::Append { stream, payload } => self.take(stream.len()) && self.json(payload),
+        }
+    }
+
+    /// Walks `value` until the budget runs out: the walk costs at most the
+    /// budget, however large or deeply nested the value is.
+    fn json(&mut self, value: &Json) -> bool {
+        let mut pending = vec![value];
+        while let Some(value) = pending.pop() {
+            let fits = match value {
+                Json::String(text) => self.take(text.len() + 2),
+                // Each item costs at least 2 bytes: a list longer than the
+                // budget allows is refused before it is queued for the walk.
+                Json::Array(items) => {
+                    self.take(2 + 2 * items.len()) && {
+                        pending.extend(items);
+                        true
+                    }
+                }
+                Json::Object(fields) => {
+                    self.take(2 + 2 * fields.len())
+                        && fields.iter().all(|(name, item)| {
+                            pending.push(item);
+                            self.take(name.len())
+                        })
+                }
+                _ => self.take(8),
+            };
+            if !fits {
+                return false;
+            }
+        }
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn a_payload_is_small_up_to_the_budget_and_not_past_it() {
+        assert!(small_payloads(&[json!({"role": "user", "text": "hello"})]));
+        assert!(small_payloads(&[json!("x".repeat(MAX_BYTES - 2))]));
+        assert!(!small_payloads(&[json!("x".repeat(MAX_BYTES - 1))]));
+        let halves = json!("x".repeat(MAX_BYTES / 2));
+        assert!(!small_payloads(&[halves.clone(), halves]));
+        assert!(!small_payloads(&vec![json!(1); MAX_ROWS + 1]));
+    }
+
+    #[test]
+    fn a_huge_or_deeply_nested_payload_is_not_small() {
+        let wide = Json::Array(vec![json!(0); 1_000_000]);
+        assert!(!small_payloads(&[wide]));
+        let mut deep = json!(0);
+        for _ in 0..20_000 {
+            deep = Json::Array(vec![deep]);
+        }
+        assert!(!small_payloads(std::slice::from_ref(&deep)));
+        // Dropping a 20,000-deep value recurses past a test thread's stack.
+        std::mem::forget(deep);
+    }
+}
