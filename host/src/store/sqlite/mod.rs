@@ -24,6 +24,7 @@
 //!   for the cost).
 
 mod catalog;
+mod checkpoint;
 mod claims;
 mod connection;
 mod dump;
@@ -45,7 +46,7 @@ use connection::{open_reader, open_writer};
 pub use connection::{SqliteOptions, Synchronous};
 use sql::{backend, now_millis};
 use stream_watch::spawn_stream_watch;
-use writer::{spawn_checkpointer, JobDone, WriteJob, Writer};
+use writer::{JobDone, Timing, WriteJob, Writer};
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -150,7 +151,6 @@ impl SqliteStore {
         let writer = open_writer(&path, &options)?;
         // Checkpoints (which fsync) run on their own thread, not after commits.
         writer.pragma_update(None, "wal_autocheckpoint", 0)?;
-        let checkpoints = spawn_checkpointer(open_reader(&path, &options)?)?;
         let signal = Arc::new(Notify::new());
         let streams = Arc::new(StreamSignals::default());
         let revocations = Arc::new(StreamSignals::default());
@@ -160,7 +160,8 @@ impl SqliteStore {
             Arc::downgrade(&revocations),
         )?;
         let inline = options.synchronous == Synchronous::Normal;
-        let writer = Writer::start(writer, inline, signal.clone(), checkpoints)?;
+        let checkpoints = open_reader(&path, &options)?;
+        let writer = Writer::start(writer, checkpoints, inline, signal.clone(), Timing::DEFAULT)?;
         Ok(Self {
             inner: Arc::new(Inner {
                 path,

@@ -5,6 +5,14 @@
 //! runtime thread other sessions share. A write with a large payload (a big
 //! tool result, a long message) or many rows queues for the writer thread
 //! like any write under load.
+//!
+//! What a write does beyond its own rows is bounded by them:
+//! - appending to a full stream trims its oldest entries, as many bytes as
+//!   were appended (at most [`MAX_BYTES`]);
+//! - a claim, alone or with a commit, reads the inputs and waited messages
+//!   of the tasks it leases. Those can be large, but the Steps that run
+//!   next handle the same bytes on a runtime thread anyway, so reading them
+//!   here adds a like cost, not a stall of a new kind.
 
 use crate::flow::store::StepCommit;
 use crate::flow::types::{Json, StateWrite};
@@ -12,8 +20,9 @@ use crate::flow::types::{Json, StateWrite};
 /// At most this many rows inserted or deleted by name.
 pub(super) const MAX_ROWS: usize = 64;
 
-/// At most this many bytes of payload (strings, keys, about 8 per number).
-const MAX_BYTES: usize = 64 << 10;
+/// At most about this many bytes of payload (strings and keys as they are,
+/// about 8 per number).
+const MAX_BYTES: usize = 16 << 10;
 
 /// Whether a Step's commit is small. Completing the flow deletes all of its
 /// tasks, however many, so such a commit is never small.

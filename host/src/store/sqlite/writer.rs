@@ -4,12 +4,13 @@
 //! other processes' commits.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use rusqlite::Connection;
 use tokio::sync::Notify;
 
+use super::checkpoint::{spawn_checkpointer, WalRestart, CHECKPOINT_INTERVAL};
 use super::connection::BUSY_TIMEOUT;
 use super::sql::{cached_execute, now_millis};
 use crate::flow::store::StoreError;
@@ -34,8 +35,6 @@ pub(super) type WriteJob =
 const MAX_BATCH: usize = 256;
 
 const WATCH_INTERVAL: Duration = Duration::from_millis(10);
-
-const CHECKPOINT_INTERVAL: Duration = Duration::from_secs(1);
 
 /// The process's one write connection, and the writes queued for it.
 ///
@@ -67,9 +66,30 @@ struct Shared {
     /// the connection is free: set after each batch of more than one
     /// write, the sign of a store under load.
     grouping_until: AtomicU64,
-    /// [`GROUPING`], but for tests.
-    grouping: Duration,
+    /// Whether the next commit may restart the WAL, and so fsync.
+    restart: Arc<WalRestart>,
+    timing: Timing,
     started: Instant,
+}
+
+/// The writer's intervals: [`Timing::DEFAULT`], or long ones in tests, so
+/// that nothing runs on its own while a test looks.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Timing {
+    /// See [`GROUPING`].
+    grouping: Duration,
+    /// How often the writer thread looks for other processes' commits.
+    watch: Duration,
+    /// How often the WAL is checkpointed.
+    checkpoint: Duration,
+}
+
+impl Timing {
+    pub(super) const DEFAULT: Self = Self {
+        grouping: GROUPING,
+        watch: WATCH_INTERVAL,
+        checkpoint: CHECKPOINT_INTERVAL,
+    };
 }
 
 /// How long after the writer thread ran a batch of several writes every
@@ -84,37 +104,40 @@ impl Shared {
         u64::try_from(self.started.elapsed().as_micros()).unwrap_or(u64::MAX)
     }
 
-    fn quiet(&self) -> bool {
-        self.queued.load(Ordering::Acquire) == 0
-            && self.micros() >= self.grouping_until.load(Ordering::Acquire)
+    /// Whether a write may run on its caller's thread now: nothing is
+    /// queued, no batch of several ran lately, and no WAL restart is due.
+    /// Returns the checkpoint mark to check once the transaction has begun.
+    fn quiet(&self) -> Option<u64> {
+        if self.queued.load(Ordering::Acquire) > 0
+            || self.micros() < self.grouping_until.load(Ordering::Acquire)
+        {
+            return None;
+        }
+        self.restart.quiet_mark()
     }
 }
 
 impl Writer {
-    /// Starts the writer thread on `conn`. `signal` is notified after a
+    /// Starts the writer thread on `conn`, and the checkpointer on
+    /// `checkpoints`, which stops with it. `signal` is notified after a
     /// commit that may have made work ready, and when another process
     /// commits.
     pub(super) fn start(
         conn: Connection,
+        checkpoints: Connection,
         inline: bool,
         signal: Arc<Notify>,
-        checkpoints: mpsc::Sender<()>,
+        timing: Timing,
     ) -> Result<Self, StoreError> {
-        Self::start_grouping(conn, inline, signal, checkpoints, GROUPING)
-    }
-
-    fn start_grouping(
-        conn: Connection,
-        inline: bool,
-        signal: Arc<Notify>,
-        checkpoints: mpsc::Sender<()>,
-        grouping: Duration,
-    ) -> Result<Self, StoreError> {
+        let restart = Arc::new(WalRestart::default());
+        let checkpointer = spawn_checkpointer(checkpoints, restart.clone(), timing.checkpoint)?;
+        let data_version = data_version(&conn);
         let shared = Arc::new(Shared {
             conn: Mutex::new(conn),
             queued: AtomicUsize::new(0),
             grouping_until: AtomicU64::new(0),
-            grouping,
+            restart,
+            timing,
             started: Instant::now(),
         });
         let (jobs, queue) = mpsc::channel();
@@ -123,7 +146,7 @@ impl Writer {
             .spawn({
                 let shared = shared.clone();
                 let signal = signal.clone();
-                move || run_writer(&shared, queue, &signal, checkpoints)
+                move || run_writer(&shared, queue, &signal, data_version, checkpointer)
             })
             .map_err(|err| StoreError::Backend(format!("cannot start the writer thread: {err}")))?;
         Ok(Self {
@@ -169,10 +192,15 @@ impl Writer {
     /// process holds the store's write lock (a runtime thread must not wait
     /// out the busy timeout; the writer thread does).
     fn try_run_here(&self, job: WriteJob) -> Result<bool, WriteJob> {
-        if !self.inline || !self.shared.quiet() {
+        if !self.inline || self.shared.quiet().is_none() {
             return Err(job);
         }
         let Ok(conn) = self.shared.conn.try_lock() else {
+            return Err(job);
+        };
+        // Again with the connection held: the writer thread may have run a
+        // batch of several between the first look and the lock.
+        let Some(mark) = self.shared.quiet() else {
             return Err(job);
         };
         let began_at = Instant::now();
@@ -182,8 +210,12 @@ impl Writer {
         let began = cached_execute(&conn, "BEGIN IMMEDIATE", []);
         let restored = conn.busy_timeout(BUSY_TIMEOUT);
         match (began, restored) {
-            (Ok(_), Ok(())) => Ok(run_begun(&conn, vec![job], began_at)),
-            (Ok(_), Err(_)) => {
+            // A checkpoint ran since the mark: this transaction may restart
+            // the WAL, so it is the writer thread's.
+            (Ok(_), Ok(())) if self.shared.restart.still(mark) => {
+                Ok(run_begun(&conn, vec![job], began_at).unwrap_or(false))
+            }
+            (Ok(_), _) => {
                 rollback(&conn);
                 Err(job)
             }
@@ -200,17 +232,14 @@ fn run_writer(
     shared: &Shared,
     queue: mpsc::Receiver<WriteJob>,
     signal: &Notify,
+    mut last_version: Option<i64>,
     // Dropped with this thread, which stops the checkpointer.
-    _checkpoints: mpsc::Sender<()>,
+    _checkpointer: mpsc::Sender<()>,
 ) {
-    let data_version = |conn: &Connection| -> Option<i64> {
-        conn.query_row("PRAGMA data_version", [], |row| row.get(0))
-            .ok()
-    };
-    let mut last_version = data_version(&lock(&shared.conn));
+    let watch = shared.timing.watch;
     let mut last_check = Instant::now();
     loop {
-        match queue.recv_timeout(WATCH_INTERVAL) {
+        match queue.recv_timeout(watch) {
             Ok(first) => {
                 let conn = lock(&shared.conn);
                 let mut batch = vec![first];
@@ -222,23 +251,28 @@ fn run_writer(
                 }
                 shared.queued.fetch_sub(batch.len(), Ordering::AcqRel);
                 let grouped = batch.len() > 1;
-                let wake = run_batch(&conn, batch);
+                let due = shared.restart.due();
+                let committed = run_batch(&conn, batch);
+                if committed.is_some() {
+                    shared.restart.done(due);
+                }
                 if grouped {
-                    let grouping = u64::try_from(shared.grouping.as_micros()).unwrap_or(u64::MAX);
+                    let grouping =
+                        u64::try_from(shared.timing.grouping.as_micros()).unwrap_or(u64::MAX);
                     let until = shared.micros().saturating_add(grouping);
                     shared.grouping_until.store(until, Ordering::Release);
                 }
                 // Released only now: a write that finds it free sees the
                 // grouping just set.
                 drop(conn);
-                if wake {
+                if committed == Some(true) {
                     signal.notify_waiters();
                 }
             }
             Err(mpsc::RecvTimeoutError::Timeout) => {}
             Err(mpsc::RecvTimeoutError::Disconnected) => break,
         }
-        if last_check.elapsed() >= WATCH_INTERVAL {
+        if last_check.elapsed() >= watch {
             // A write running on its caller's thread holds the connection;
             // the watch looks again on the next round.
             if let Ok(conn) = shared.conn.try_lock() {
@@ -257,34 +291,26 @@ fn run_writer(
 /// own panic is caught inside its batch): an open transaction left behind
 /// is rolled back, so that the next batch can begin.
 fn lock(conn: &Mutex<Connection>) -> MutexGuard<'_, Connection> {
-    let guard = conn.lock().unwrap_or_else(PoisonError::into_inner);
+    let guard = conn.lock().unwrap_or_else(|poisoned| {
+        conn.clear_poison();
+        poisoned.into_inner()
+    });
     if !guard.is_autocommit() {
         rollback(&guard);
     }
     guard
 }
 
-/// Copies the WAL back into the database file every second, without
-/// blocking writers; it stops when the writer thread does.
-pub(super) fn spawn_checkpointer(conn: Connection) -> Result<mpsc::Sender<()>, StoreError> {
-    let (alive, stopped) = mpsc::channel::<()>();
-    std::thread::Builder::new()
-        .name("dexa-sqlite-checkpoint".to_string())
-        .spawn(move || {
-            while let Err(mpsc::RecvTimeoutError::Timeout) =
-                stopped.recv_timeout(CHECKPOINT_INTERVAL)
-            {
-                if let Err(err) = conn.execute_batch("PRAGMA wal_checkpoint(PASSIVE)") {
-                    tracing::debug!(error = %err, "WAL checkpoint failed; will retry");
-                }
-            }
-        })
-        .map_err(|err| StoreError::Backend(format!("cannot start the checkpoint thread: {err}")))?;
-    Ok(alive)
+/// What `PRAGMA data_version` says now: it changes when another
+/// connection commits.
+fn data_version(conn: &Connection) -> Option<i64> {
+    conn.query_row("PRAGMA data_version", [], |row| row.get(0))
+        .ok()
 }
 
-/// Runs one batch; true when a committed write may have made work ready.
-fn run_batch(conn: &Connection, batch: Vec<WriteJob>) -> bool {
+/// Runs one batch: `None` when nothing was committed, else whether a
+/// committed write may have made work ready.
+fn run_batch(conn: &Connection, batch: Vec<WriteJob>) -> Option<bool> {
     let began_at = Instant::now();
     if let Err(err) = cached_execute(conn, "BEGIN IMMEDIATE", []) {
         let reason = format!("cannot begin a write transaction: {err}");
@@ -292,13 +318,14 @@ fn run_batch(conn: &Connection, batch: Vec<WriteJob>) -> bool {
         for job in batch {
             (job(Err(reason.clone()), now).deliver)(Err(reason.clone()));
         }
-        return false;
+        return None;
     }
     run_begun(conn, batch, began_at)
 }
 
-/// Runs a batch in the transaction just begun, and commits it.
-fn run_begun(conn: &Connection, batch: Vec<WriteJob>, began_at: Instant) -> bool {
+/// Runs a batch in the transaction just begun, and commits it (see
+/// [`run_batch`] for what it returns).
+fn run_begun(conn: &Connection, batch: Vec<WriteJob>, began_at: Instant) -> Option<bool> {
     metrics::histogram!(crate::telemetry::SQLITE_BATCH_WRITES).record(batch.len() as f64);
     // The clock is read once the write lock is held: BEGIN may wait up to
     // the busy timeout for another process, and a time read before it
@@ -309,7 +336,8 @@ fn run_begun(conn: &Connection, batch: Vec<WriteJob>, began_at: Instant) -> bool
     } else {
         run_in_savepoints(conn, batch, now)
     };
-    let committed = if done.iter().any(|d| d.ok) {
+    let keep = done.iter().any(|d| d.ok);
+    let committed = if keep {
         cached_execute(conn, "COMMIT", [])
             .map(|_| ())
             .map_err(|err| {
@@ -326,11 +354,12 @@ fn run_begun(conn: &Connection, batch: Vec<WriteJob>, began_at: Instant) -> bool
     // end of COMMIT (the fsync): what each write of the batch waited for.
     metrics::histogram!(crate::telemetry::SQLITE_BATCH_COMMIT)
         .record(began_at.elapsed().as_secs_f64());
-    let wake = committed.is_ok() && done.iter().any(|d| d.ok && d.wake);
+    let kept = keep && committed.is_ok();
+    let wake = kept && done.iter().any(|d| d.ok && d.wake);
     for result in done {
         (result.deliver)(committed.clone());
     }
-    wake
+    kept.then_some(wake)
 }
 
 /// A batch of one write runs without a savepoint: when it fails, the whole
@@ -437,10 +466,13 @@ mod tests {
     fn a_write_alone_that_fails_after_writing_leaves_nothing_and_the_next_commits() {
         let conn = table();
         let (outcomes, delivered) = mpsc::channel();
-        assert!(!run_batch(&conn, vec![insert(1, "fail", &outcomes)]));
+        assert_eq!(run_batch(&conn, vec![insert(1, "fail", &outcomes)]), None);
         assert_eq!(delivered.try_recv().expect("answered").0, 1);
         assert!(conn.is_autocommit(), "the transaction is closed");
-        assert!(run_batch(&conn, vec![insert(2, "ok", &outcomes)]));
+        assert_eq!(
+            run_batch(&conn, vec![insert(2, "ok", &outcomes)]),
+            Some(true)
+        );
         assert_eq!(delivered.try_recv().expect("answered"), (2, Ok(())));
         assert_eq!(values(&conn), vec![2]);
     }
@@ -449,13 +481,16 @@ mod tests {
     fn a_write_alone_that_panics_is_rolled_back_and_the_writer_goes_on() {
         let conn = table();
         let (outcomes, delivered) = mpsc::channel();
-        assert!(!run_batch(&conn, vec![insert(1, "panic", &outcomes)]));
+        assert_eq!(run_batch(&conn, vec![insert(1, "panic", &outcomes)]), None);
         assert!(
             delivered.try_recv().is_err(),
             "a panicked write answers nothing"
         );
         assert!(conn.is_autocommit(), "the transaction is closed");
-        assert!(run_batch(&conn, vec![insert(2, "ok", &outcomes)]));
+        assert_eq!(
+            run_batch(&conn, vec![insert(2, "ok", &outcomes)]),
+            Some(true)
+        );
         assert_eq!(values(&conn), vec![2]);
     }
 
@@ -469,7 +504,7 @@ mod tests {
             insert(3, "panic", &outcomes),
             insert(4, "ok", &outcomes),
         ];
-        assert!(run_batch(&conn, batch));
+        assert_eq!(run_batch(&conn, batch), Some(true));
         let answered: Vec<i64> = delivered.try_iter().map(|(value, _)| value).collect();
         assert_eq!(answered, vec![1, 2, 4]);
         assert_eq!(values(&conn), vec![1, 4]);
@@ -481,7 +516,7 @@ mod tests {
         let conn = table();
         let (outcomes, delivered) = mpsc::channel();
         let batch = vec![insert(1, "fail", &outcomes), insert(2, "fail", &outcomes)];
-        assert!(!run_batch(&conn, batch));
+        assert_eq!(run_batch(&conn, batch), None);
         assert_eq!(delivered.try_iter().count(), 2);
         assert!(values(&conn).is_empty());
         assert!(conn.is_autocommit(), "the transaction is closed");
@@ -503,18 +538,40 @@ mod tests {
         })
     }
 
+    /// Intervals long enough that nothing runs on its own while a test
+    /// looks, however slow the machine.
+    const STILL: Timing = Timing {
+        grouping: Duration::from_secs(600),
+        watch: Duration::from_secs(600),
+        checkpoint: Duration::from_secs(600),
+    };
+
     fn writer_on_file(dir: &std::path::Path, inline: bool) -> Writer {
-        writer_grouping(dir, inline, GROUPING)
+        let timing = Timing {
+            grouping: GROUPING,
+            ..STILL
+        };
+        writer_with(dir, inline, timing)
     }
 
-    fn writer_grouping(dir: &std::path::Path, inline: bool, grouping: Duration) -> Writer {
-        let conn = Connection::open(dir.join("store.db")).expect("open");
+    fn writer_with(dir: &std::path::Path, inline: bool, timing: Timing) -> Writer {
+        let path = dir.join("store.db");
+        let conn = Connection::open(&path).expect("open");
         conn.pragma_update(None, "journal_mode", "WAL")
             .expect("wal");
         conn.busy_timeout(BUSY_TIMEOUT).expect("busy timeout");
-        let (checkpoints, _) = mpsc::channel();
+        let checkpoints = Connection::open(&path).expect("open");
         let signal = Arc::new(Notify::new());
-        Writer::start_grouping(conn, inline, signal, checkpoints, grouping).expect("start")
+        Writer::start(conn, checkpoints, inline, signal, timing).expect("start")
+    }
+
+    /// Runs a write through the writer thread and waits until it let go of
+    /// the connection: the WAL restart due at open is done.
+    fn settle(writer: &Writer) {
+        let (ran, reports) = mpsc::channel();
+        writer.queue(where_it_ran(&ran)).expect("queue");
+        assert_eq!(reports.recv().expect("ran").1, Ok(()));
+        drop(lock(&writer.shared.conn));
     }
 
     /// A job that holds the writer thread until released.
@@ -536,7 +593,7 @@ mod tests {
     fn after_a_batch_of_several_writes_a_small_write_still_queues() {
         let dir = tempfile::tempdir().expect("tempdir");
         // Long enough that the check cannot outlast it on a slow machine.
-        let writer = writer_grouping(dir.path(), true, Duration::from_secs(600));
+        let writer = writer_with(dir.path(), true, STILL);
         let (started, running) = mpsc::channel();
         let (release, released) = mpsc::channel::<()>();
         writer.queue(holding(started, released)).expect("queue");
@@ -565,6 +622,7 @@ mod tests {
     fn a_small_write_to_a_quiet_store_runs_on_its_callers_thread_and_a_large_one_queues() {
         let dir = tempfile::tempdir().expect("tempdir");
         let writer = writer_on_file(dir.path(), true);
+        settle(&writer);
         let here = std::thread::current().id();
         let (ran, reports) = mpsc::channel();
         writer.run(where_it_ran(&ran), true).expect("run");
@@ -579,6 +637,7 @@ mod tests {
     fn with_fsync_per_commit_every_write_queues() {
         let dir = tempfile::tempdir().expect("tempdir");
         let writer = writer_on_file(dir.path(), false);
+        settle(&writer);
         let (ran, reports) = mpsc::channel();
         writer.run(where_it_ran(&ran), true).expect("run");
         let (thread, committed) = reports.recv().expect("ran");
@@ -590,6 +649,7 @@ mod tests {
     fn a_small_write_queues_behind_a_batch_the_writer_thread_is_running() {
         let dir = tempfile::tempdir().expect("tempdir");
         let writer = writer_on_file(dir.path(), true);
+        settle(&writer);
         let (started, running) = mpsc::channel();
         let (release, released) = mpsc::channel::<()>();
         writer.queue(holding(started, released)).expect("queue");
@@ -611,6 +671,7 @@ mod tests {
     fn a_small_write_does_not_wait_on_its_callers_thread_for_another_processs_lock() {
         let dir = tempfile::tempdir().expect("tempdir");
         let writer = writer_on_file(dir.path(), true);
+        settle(&writer);
         let other = Connection::open(dir.path().join("store.db")).expect("open");
         let (held, holding) = mpsc::channel();
         let (release, released) = mpsc::channel::<()>();
@@ -632,5 +693,29 @@ mod tests {
         );
         assert_eq!(committed, Ok(()));
         holder.join().expect("holder");
+    }
+
+    /// After a checkpoint that copied the whole WAL, the next commit
+    /// restarts the WAL and syncs its header, even with
+    /// `synchronous=NORMAL`: that write goes through the writer thread, and
+    /// the one after it runs on its caller's thread again.
+    #[test]
+    fn after_a_checkpoint_that_copied_the_whole_wal_the_next_write_queues() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let writer = writer_on_file(dir.path(), true);
+        settle(&writer);
+        let here = std::thread::current().id();
+        let (ran, reports) = mpsc::channel();
+        writer.run(where_it_ran(&ran), true).expect("run");
+        assert_eq!(reports.recv().expect("ran"), (here, Ok(())));
+        let other = Connection::open(dir.path().join("store.db")).expect("open");
+        writer.shared.restart.checkpoint(&other);
+        writer.run(where_it_ran(&ran), true).expect("run");
+        let (thread, committed) = reports.recv().expect("ran");
+        assert_ne!(thread, here, "the WAL restart ran on the caller's thread");
+        assert_eq!(committed, Ok(()));
+        drop(lock(&writer.shared.conn));
+        writer.run(where_it_ran(&ran), true).expect("run");
+        assert_eq!(reports.recv().expect("ran"), (here, Ok(())));
     }
 }
