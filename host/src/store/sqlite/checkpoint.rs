@@ -59,7 +59,9 @@ impl WalRestart {
     /// whether a write transaction restarts the WAL when it begins, so a
     /// transaction begun with this true restarts nothing.
     pub(super) fn still(&self, mark: u64) -> bool {
-        !self.running.load(SeqCst) && self.started.load(SeqCst) == mark
+        !self.running.load(SeqCst)
+            && self.pending.load(SeqCst) == 0
+            && self.started.load(SeqCst) == mark
     }
 
     /// The restart due now, read before a batch's transaction begins.
@@ -67,9 +69,10 @@ impl WalRestart {
         self.pending.load(SeqCst)
     }
 
-    /// A batch of the writer thread committed, having begun when `due` was
-    /// the restart due: that restart is done. One that a checkpoint made
-    /// due since then stays.
+    /// A batch of the writer thread committed WAL frames, having begun when
+    /// `due` was the restart due: that restart is done. One that a
+    /// checkpoint made due since then stays. (A commit that changed no page
+    /// writes no frame and restarts nothing.)
     pub(super) fn done(&self, due: u64) {
         if due != 0 {
             let _ = self.pending.compare_exchange(due, 0, SeqCst, SeqCst);
@@ -79,8 +82,10 @@ impl WalRestart {
     /// Runs one passive checkpoint on `conn` (never blocking writers) and
     /// records whether it left the WAL wholly copied.
     pub(super) fn checkpoint(&self, conn: &Connection) {
-        let this = self.started.fetch_add(1, SeqCst) + 1;
+        // Running first: a mark taken between the two stores is not one a
+        // finished checkpoint can pass.
         self.running.store(true, SeqCst);
+        let this = self.started.fetch_add(1, SeqCst) + 1;
         let result = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |row| {
             Ok((row.get::<_, i64>(1)?, row.get::<_, i64>(2)?))
         });

@@ -3,10 +3,12 @@
 //! which runs what is queued in batches (group commit) and watches for
 //! other processes' commits.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::os::raw::c_int;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use rusqlite::hooks::Wal;
 use rusqlite::Connection;
 use tokio::sync::Notify;
 
@@ -68,6 +70,9 @@ struct Shared {
     grouping_until: AtomicU64,
     /// Whether the next commit may restart the WAL, and so fsync.
     restart: Arc<WalRestart>,
+    /// Set by SQLite's WAL hook when a commit of the connection wrote WAL
+    /// frames (a commit that changed no page writes none).
+    wrote_frames: Arc<AtomicBool>,
     timing: Timing,
     started: Instant,
 }
@@ -123,7 +128,7 @@ impl Writer {
     /// commit that may have made work ready, and when another process
     /// commits.
     pub(super) fn start(
-        conn: Connection,
+        mut conn: Connection,
         checkpoints: Connection,
         inline: bool,
         signal: Arc<Notify>,
@@ -132,11 +137,21 @@ impl Writer {
         let restart = Arc::new(WalRestart::default());
         let checkpointer = spawn_checkpointer(checkpoints, restart.clone(), timing.checkpoint)?;
         let data_version = data_version(&conn);
+        // Registered after `wal_autocheckpoint`, which replaces the hook.
+        let wrote_frames = Arc::new(AtomicBool::new(false));
+        conn.wal_hook(Some({
+            let wrote_frames = wrote_frames.clone();
+            move |_: &mut Wal, _frames: c_int| {
+                wrote_frames.store(true, Ordering::Release);
+                Ok(())
+            }
+        }))?;
         let shared = Arc::new(Shared {
             conn: Mutex::new(conn),
             queued: AtomicUsize::new(0),
             grouping_until: AtomicU64::new(0),
             restart,
+            wrote_frames,
             timing,
             started: Instant::now(),
         });
@@ -252,8 +267,9 @@ fn run_writer(
                 shared.queued.fetch_sub(batch.len(), Ordering::AcqRel);
                 let grouped = batch.len() > 1;
                 let due = shared.restart.due();
+                shared.wrote_frames.store(false, Ordering::Release);
                 let committed = run_batch(&conn, batch);
-                if committed.is_some() {
+                if committed.is_some() && shared.wrote_frames.load(Ordering::Acquire) {
                     shared.restart.done(due);
                 }
                 if grouped {
@@ -522,11 +538,12 @@ mod tests {
         assert!(conn.is_autocommit(), "the transaction is closed");
     }
 
-    /// A write that reports the thread it ran on and the commit's outcome.
+    /// A write of one row (so its commit writes WAL frames) that reports
+    /// the thread it ran on and the commit's outcome.
     fn where_it_ran(ran: &mpsc::Sender<(std::thread::ThreadId, Result<(), String>)>) -> WriteJob {
         let ran = ran.clone();
         Box::new(move |conn, _now| {
-            let ok = conn.is_ok();
+            let ok = conn.is_ok_and(|conn| conn.execute("INSERT INTO t VALUES (1)", []).is_ok());
             let thread = std::thread::current().id();
             JobDone {
                 ok,
@@ -560,6 +577,8 @@ mod tests {
         conn.pragma_update(None, "journal_mode", "WAL")
             .expect("wal");
         conn.busy_timeout(BUSY_TIMEOUT).expect("busy timeout");
+        conn.execute_batch("CREATE TABLE IF NOT EXISTS t (v INTEGER)")
+            .expect("create");
         let checkpoints = Connection::open(&path).expect("open");
         let signal = Arc::new(Notify::new());
         Writer::start(conn, checkpoints, inline, signal, timing).expect("start")
@@ -710,6 +729,20 @@ mod tests {
         assert_eq!(reports.recv().expect("ran"), (here, Ok(())));
         let other = Connection::open(dir.path().join("store.db")).expect("open");
         writer.shared.restart.checkpoint(&other);
+        // A commit that changed nothing writes no WAL frame and so restarts
+        // nothing: the restart is still due after it.
+        let (nothing, done) = mpsc::channel();
+        writer
+            .queue(Box::new(move |_conn, _now| JobDone {
+                ok: true,
+                wake: false,
+                deliver: Box::new(move |committed| {
+                    let _ = nothing.send(committed);
+                }),
+            }))
+            .expect("queue");
+        assert_eq!(done.recv().expect("committed"), Ok(()));
+        drop(lock(&writer.shared.conn));
         writer.run(where_it_ran(&ran), true).expect("run");
         let (thread, committed) = reports.recv().expect("ran");
         assert_ne!(thread, here, "the WAL restart ran on the caller's thread");
