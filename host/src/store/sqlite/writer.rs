@@ -137,7 +137,8 @@ impl Writer {
         let restart = Arc::new(WalRestart::default());
         let checkpointer = spawn_checkpointer(checkpoints, restart.clone(), timing.checkpoint)?;
         let data_version = data_version(&conn);
-        // Registered after `wal_autocheckpoint`, which replaces the hook.
+        // Registered after `SqliteStore::open` set `wal_autocheckpoint`,
+        // which replaces the connection's WAL hook.
         let wrote_frames = Arc::new(AtomicBool::new(false));
         conn.wal_hook(Some({
             let wrote_frames = wrote_frames.clone();
@@ -225,11 +226,11 @@ impl Writer {
         let began = cached_execute(&conn, "BEGIN IMMEDIATE", []);
         let restored = conn.busy_timeout(BUSY_TIMEOUT);
         match (began, restored) {
-            // A checkpoint ran since the mark: this transaction may restart
-            // the WAL, so it is the writer thread's.
             (Ok(_), Ok(())) if self.shared.restart.still(mark) => {
                 Ok(run_begun(&conn, vec![job], began_at).unwrap_or(false))
             }
+            // A checkpoint ran since the mark: this transaction may restart
+            // the WAL (and fsync), so it is the writer thread's.
             (Ok(_), _) => {
                 rollback(&conn);
                 Err(job)
