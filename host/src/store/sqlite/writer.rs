@@ -686,7 +686,10 @@ mod tests {
     /// Another process's write lock is never waited out on the caller's
     /// thread (a runtime thread): the write queues for the writer thread.
     /// Had the caller waited (up to the busy timeout), the holder's own
-    /// release after a second would let the write run here.
+    /// release after four seconds (inside the 5 s busy timeout) would let
+    /// the write run here. Only a caller stalled for four seconds between
+    /// taking the lock and writing could fail it spuriously; a correct
+    /// write never waits for that release.
     #[test]
     fn a_small_write_does_not_wait_on_its_callers_thread_for_another_processs_lock() {
         let dir = tempfile::tempdir().expect("tempdir");
@@ -698,7 +701,7 @@ mod tests {
         let holder = std::thread::spawn(move || {
             other.execute_batch("BEGIN IMMEDIATE").expect("lock");
             let _ = held.send(());
-            let _ = released.recv_timeout(Duration::from_secs(1));
+            let _ = released.recv_timeout(BUSY_TIMEOUT - Duration::from_secs(1));
             other.execute_batch("COMMIT").expect("unlock");
         });
         holding.recv().expect("held");
