@@ -139,7 +139,7 @@ async fn release(store: &Arc<dyn FlowStore>, registry: &Registry, task: &Claimed
     match outcome {
         Ok(()) => {
             if failed {
-                super::worker::count_failed(task);
+                super::run_step::count_failed(task);
             }
             true
         }

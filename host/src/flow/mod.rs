@@ -14,6 +14,7 @@ pub mod registry;
 mod renew;
 pub mod retry;
 mod revoke;
+mod run_step;
 pub mod store;
 mod supervise;
 pub mod types;

@@ -1,0 +1,266 @@
+//! One Step's run on a worker: its handler under the retry policy's
+//! deadlines, then its commit fenced by the lease, or its failure; and the
+//! flow's next Step when the commit leased it to this worker.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime};
+
+use super::attempt_span::{self, SpanOutcome};
+use super::context::{Heartbeat, StepContext};
+use super::drain::DrainState;
+use super::registry::{Registry, StepError};
+use super::retry::{self, AttemptError};
+use super::store::{AttemptFailure, ClaimNext, FlowStore, StepCommit, StoreError};
+use super::types::{history, ClaimedTask, StepHistoryEntry, StepOutcome, StepResult};
+use super::worker::{Held, HeldTasks, StepObserver};
+use crate::telemetry;
+
+/// Runs `task`, then, in the same slot, the flow's next task when its commit
+/// leased one to this worker.
+pub(super) async fn run_task(
+    store: Arc<dyn FlowStore>,
+    registry: Arc<Registry>,
+    held: HeldTasks,
+    drain_state: Arc<DrainState>,
+    task: (ClaimedTask, u64),
+    observer: Option<StepObserver>,
+    claim_next: ClaimNext,
+) {
+    let mut next = Some(task);
+    while let Some((task, since)) = next.take() {
+        next = run_one(
+            &store,
+            &registry,
+            &held,
+            &drain_state,
+            task,
+            since,
+            observer.as_ref(),
+            &claim_next,
+        )
+        .await;
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn run_one(
+    store: &Arc<dyn FlowStore>,
+    registry: &Arc<Registry>,
+    held: &HeldTasks,
+    drain_state: &DrainState,
+    task: ClaimedTask,
+    since: u64,
+    observer: Option<&StepObserver>,
+    claim_next: &ClaimNext,
+) -> Option<(ClaimedTask, u64)> {
+    let claimed_at = Instant::now();
+    let started = SystemTime::now();
+    metrics::counter!(
+        telemetry::STEPS_STARTED,
+        "flow_type" => task.flow_type.clone(),
+        "step" => task.step_type.clone()
+    )
+    .increment(1);
+    let task = Arc::new(task);
+    let heartbeat = Heartbeat::new();
+    if let Ok(mut held) = held.lock() {
+        held.insert(
+            (task.task_id, task.lease_token),
+            Held {
+                task: task.clone(),
+                heartbeat: heartbeat.clone(),
+                abort: None,
+            },
+        );
+    }
+    let def = registry
+        .flow_type(&task.flow_type)
+        .ok()
+        .and_then(|flow_type| flow_type.step_def(&task.step_type).cloned());
+    let mut handler_ctx = None;
+    let result = match def {
+        None => Err(AttemptError::Step(StepError::fatal(format!(
+            "no handler is registered for step {} of flow type {}",
+            task.step_type, task.flow_type
+        )))),
+        Some(def) => {
+            let ctx = StepContext::new(task.clone(), store.clone(), heartbeat.clone());
+            handler_ctx = Some(ctx.clone());
+            // Its own task, so that a panic fails the attempt, not the worker.
+            let handle = tokio::spawn(def.handler.run(ctx));
+            if let Ok(mut held) = held.lock() {
+                if let Some(entry) = held.get_mut(&(task.task_id, task.lease_token)) {
+                    entry.abort = Some(handle.abort_handle());
+                }
+            }
+            let taken = super::revoke::lease_taken(store.clone(), task.clone(), since);
+            super::supervise::supervise(handle, &task.policy, &heartbeat, taken).await
+        }
+    };
+    let ctx = handler_ctx.as_ref();
+    let component = ctx.and_then(StepContext::component);
+    if result.is_err() && drain_state.cut.load(Ordering::Acquire) {
+        // Stopped by the drain's deadline: neither a failure to record nor
+        // an attempt spent; the drain hands the lease back.
+        attempt_span::report(&task, ctx, started, SpanOutcome::Stopped);
+        return None;
+    }
+    if let Ok(mut held) = held.lock() {
+        held.remove(&(task.task_id, task.lease_token));
+    }
+    match result {
+        Ok(step_result) => {
+            // The commit may lease the flow's next task: read before it.
+            let since = store.revocation_generation();
+            // A draining worker takes no next Step with the commit.
+            let claim_next = if drain_state.draining.load(Ordering::Acquire) {
+                &ClaimNext {
+                    max: 0,
+                    ..claim_next.clone()
+                }
+            } else {
+                claim_next
+            };
+            let committed =
+                commit(store, registry, &task, step_result, claim_next, component).await;
+            let outcome = match committed {
+                Some(_) => SpanOutcome::Committed,
+                None => SpanOutcome::NotCommitted,
+            };
+            attempt_span::report(&task, ctx, started, outcome);
+            let claimed = committed?;
+            metrics::counter!(
+                telemetry::STEPS_COMPLETED,
+                "flow_type" => task.flow_type.clone(),
+                "step" => task.step_type.clone()
+            )
+            .increment(1);
+            metrics::histogram!(telemetry::STEP_CLAIM_TO_COMMIT, "step" => task.step_type.clone())
+                .record(claimed_at.elapsed().as_secs_f64());
+            if let Some(observer) = observer {
+                observer(&task, claimed_at.elapsed());
+            }
+            claimed.into_iter().next().map(|next| (next, since))
+        }
+        Err(AttemptError::Taken) => {
+            attempt_span::report(&task, ctx, started, SpanOutcome::Taken);
+            tracing::info!(
+                flow_id = %task.flow_id,
+                step = %task.step_type,
+                attempt = task.attempt,
+                "the Step's task was taken from its flow; the Step was stopped"
+            );
+            None
+        }
+        Err(err) => {
+            let message = err.message();
+            fail(store, registry, &task, err, component).await;
+            attempt_span::report(&task, ctx, started, SpanOutcome::Failed(&message));
+            None
+        }
+    }
+}
+
+/// Counts a failed attempt the store recorded.
+pub(super) fn count_failed(task: &ClaimedTask) {
+    metrics::counter!(
+        telemetry::STEPS_FAILED,
+        "flow_type" => task.flow_type.clone(),
+        "step" => task.step_type.clone()
+    )
+    .increment(1);
+}
+
+/// Commits the Step's result; `Some` (with the tasks claimed with it) when it
+/// was committed.
+async fn commit(
+    store: &Arc<dyn FlowStore>,
+    registry: &Registry,
+    task: &ClaimedTask,
+    result: StepResult,
+    claim_next: &ClaimNext,
+    component: Option<String>,
+) -> Option<Vec<ClaimedTask>> {
+    let now = match store.now().await {
+        Ok(now) => now,
+        Err(err) => {
+            tracing::warn!(error = %err, "store clock unavailable; the lease will expire");
+            return None;
+        }
+    };
+    let mut next = Vec::new();
+    let mut complete_flow = false;
+    match result.outcome {
+        StepOutcome::Next(calls) => {
+            for call in calls {
+                match registry.new_task(&task.flow_type, call, now, None) {
+                    Ok(new_task) => next.push(new_task),
+                    Err(err) => {
+                        let err = AttemptError::Step(StepError::fatal(err.to_string()));
+                        fail(store, registry, task, err, component).await;
+                        return None;
+                    }
+                }
+            }
+        }
+        StepOutcome::End => {}
+        StepOutcome::Complete => complete_flow = true,
+    }
+    let commit = StepCommit {
+        task_id: task.task_id,
+        lease_token: task.lease_token,
+        flow_id: task.flow_id.clone(),
+        consumed: task.messages.iter().map(|m| m.message_id).collect(),
+        writes: result.writes,
+        next,
+        complete_flow,
+        history: StepHistoryEntry {
+            component: component.clone(),
+            ..retry::entry(task, history::EXECUTE_COMPLETED, now, String::new())
+        },
+        claim_next: Some(claim_next.clone()),
+    };
+    match store.commit_step(commit).await {
+        Ok(claimed) => Some(claimed),
+        Err(StoreError::StaleLease { .. }) => {
+            tracing::info!(
+                task_id = task.task_id,
+                "the lease was lost; the Step's result is dropped"
+            );
+            None
+        }
+        Err(err) => {
+            let err = AttemptError::Step(StepError::retryable(format!("commit failed: {err}")));
+            fail(store, registry, task, err, component).await;
+            None
+        }
+    }
+}
+
+async fn fail(
+    store: &Arc<dyn FlowStore>,
+    registry: &Registry,
+    task: &ClaimedTask,
+    err: AttemptError,
+    component: Option<String>,
+) {
+    tracing::info!(
+        flow_id = %task.flow_id,
+        step = %task.step_type,
+        attempt = task.attempt,
+        error = %err.message(),
+        "step attempt failed"
+    );
+    let Ok(now) = store.now().await else { return };
+    let (action, mut history) = retry::after_failure(registry, task, &err, now);
+    history.component = component;
+    let failure = AttemptFailure::of(task, (action, history), false);
+    match store.fail_attempt(failure).await {
+        Ok(()) => count_failed(task),
+        Err(StoreError::StaleLease { .. }) => {}
+        Err(err) => {
+            tracing::warn!(error = %err, "recording a failed attempt failed; the lease will expire")
+        }
+    }
+}
