@@ -4,7 +4,7 @@
 use std::path::Path;
 use std::process::{Child, Command};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use dexa::flow::history::{ATTEMPT_FAILED, EXECUTE_COMPLETED, EXECUTE_FAILED, REDELIVERED};
 use dexa::flow::store::{AttemptFailure, FailureAction, StepCommit};
@@ -45,9 +45,14 @@ impl Stack {
     }
 
     fn start_worker(&mut self) {
+        self.start_worker_with_slots(WorkerOptions::default().max_concurrent_tasks);
+    }
+
+    fn start_worker_with_slots(&mut self, slots: usize) {
         let options = WorkerOptions {
             lease: Duration::from_millis(500),
             reap_interval: Duration::from_millis(50),
+            max_concurrent_tasks: slots,
             ..WorkerOptions::default()
         };
         let worker = Worker::new(self.store.clone(), self.client.registry().clone(), options);
@@ -277,6 +282,60 @@ async fn go_to_many_runs_eight_steps_at_once(factory: &dyn StoreFactory) {
     assert!(
         last_start <= first_end,
         "every leaf started before any finished"
+    );
+}
+
+/// The most leaf spans that overlap at one instant.
+fn most_at_once(spans: &[(Instant, Instant)]) -> usize {
+    spans
+        .iter()
+        .map(|(start, _)| {
+            spans
+                .iter()
+                .filter(|(s, e)| s <= start && start < e)
+                .count()
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+/// A commit leases a share of its fan-out to its own worker, out of the
+/// same slots the claim loop takes from: a worker with exactly eight slots
+/// still runs eight leaves at once (the barrier lets none through before),
+/// twice in a row (the slots came back), and two fan-outs at once never run
+/// more than eight Steps together.
+async fn a_worker_runs_as_many_steps_as_its_slots_and_never_more(factory: &dyn StoreFactory) {
+    let mut stack = Stack::new(factory);
+    stack.start_worker_with_slots(8);
+    for flow in ["fan-1", "fan-2"] {
+        stack
+            .client
+            .start_flow("FanOut", flow, json!({}))
+            .await
+            .expect("start");
+        stack.wait_status(flow, FlowStatus::Completed).await;
+    }
+    let spans = stack.probe.leaf_spans.lock().expect("spans").clone();
+    assert_eq!(spans.len(), 16);
+    assert_eq!(most_at_once(&spans), 8, "each fan-out ran all at once");
+
+    stack.probe.leaf_spans.lock().expect("spans").clear();
+    for flow in ["fan-3", "fan-4"] {
+        stack
+            .client
+            .start_flow("FanOut", flow, json!({}))
+            .await
+            .expect("start");
+    }
+    for flow in ["fan-3", "fan-4"] {
+        stack.wait_status(flow, FlowStatus::Completed).await;
+    }
+    let spans = stack.probe.leaf_spans.lock().expect("spans").clone();
+    assert_eq!(spans.len(), 16);
+    let most = most_at_once(&spans);
+    assert!(
+        most <= 8,
+        "{most} leaves ran at once on a worker of 8 slots"
     );
 }
 
@@ -1880,6 +1939,7 @@ backends!(
     the_per_attempt_timeout,
     the_heartbeat_timeout,
     go_to_many_runs_eight_steps_at_once,
+    a_worker_runs_as_many_steps_as_its_slots_and_never_more,
     channel_waits_for_one_and_for_n,
     timers_fire_and_an_early_timer_waits_again,
     streams_trim_to_their_capacity,

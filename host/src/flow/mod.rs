@@ -15,6 +15,7 @@ mod renew;
 pub mod retry;
 mod revoke;
 mod run_step;
+mod slots;
 pub mod store;
 mod supervise;
 pub mod types;

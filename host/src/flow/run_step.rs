@@ -6,54 +6,60 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
+use futures_util::stream::{FuturesUnordered, StreamExt};
+
 use super::attempt_span::{self, SpanOutcome};
 use super::context::{Heartbeat, StepContext};
 use super::drain::DrainState;
 use super::registry::{Registry, StepError};
 use super::retry::{self, AttemptError};
+use super::slots::{CommitShare, Slots};
 use super::store::{AttemptFailure, ClaimNext, FlowStore, StepCommit, StoreError};
 use super::types::{history, ClaimedTask, StepHistoryEntry, StepOutcome, StepResult};
 use super::worker::{Held, HeldTasks, StepObserver};
 use crate::telemetry;
 
-/// Runs `task`, then, in the same slot, the flow's next task when its commit
-/// leased one to this worker.
-pub(super) async fn run_task(
-    store: Arc<dyn FlowStore>,
-    registry: Arc<Registry>,
-    held: HeldTasks,
-    drain_state: Arc<DrainState>,
-    task: (ClaimedTask, u64),
-    observer: Option<StepObserver>,
-    claim_next: ClaimNext,
-) {
-    let mut next = Some(task);
-    while let Some((task, since)) = next.take() {
-        next = run_one(
-            &store,
-            &registry,
-            &held,
-            &drain_state,
-            task,
-            since,
-            observer.as_ref(),
-            &claim_next,
-        )
-        .await;
+/// What a worker's Steps run with: shared by every Step it runs.
+pub(super) struct StepRunner {
+    pub(super) store: Arc<dyn FlowStore>,
+    pub(super) registry: Arc<Registry>,
+    pub(super) held: HeldTasks,
+    pub(super) drain_state: Arc<DrainState>,
+    pub(super) observer: Option<StepObserver>,
+    /// The claim a commit makes: its `max` is the most of the flow's next
+    /// Steps one commit may lease (a fan-out's first share).
+    pub(super) claim_next: ClaimNext,
+    pub(super) slots: Arc<Slots>,
+}
+
+/// Runs `task` in the slot taken for it, then the flow's next Steps its
+/// commit leased to this worker: the first in the same slot, the others in
+/// the slots taken for them before the commit. Gives the slot back when no
+/// Step follows.
+pub(super) async fn run_task(runner: Arc<StepRunner>, task: (ClaimedTask, u64)) {
+    let mut steps = FuturesUnordered::new();
+    steps.push(run_one(&runner, task.0, task.1));
+    while let Some(next) = steps.next().await {
+        if next.is_empty() {
+            runner.slots.give_back(1);
+        }
+        for (task, since) in next {
+            steps.push(run_one(&runner, task, since));
+        }
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn run_one(
-    store: &Arc<dyn FlowStore>,
-    registry: &Arc<Registry>,
-    held: &HeldTasks,
-    drain_state: &DrainState,
-    task: ClaimedTask,
-    since: u64,
-    observer: Option<&StepObserver>,
-    claim_next: &ClaimNext,
-) -> Option<(ClaimedTask, u64)> {
+/// Runs one Step; returns the flow's next Steps its commit leased, each
+/// with a slot already taken for it.
+async fn run_one(runner: &StepRunner, task: ClaimedTask, since: u64) -> Vec<(ClaimedTask, u64)> {
+    let StepRunner {
+        store,
+        registry,
+        held,
+        drain_state,
+        observer,
+        ..
+    } = runner;
     let claimed_at = Instant::now();
     let started = SystemTime::now();
     metrics::counter!(
@@ -104,7 +110,7 @@ async fn run_one(
         // Stopped by the drain's deadline: neither a failure to record nor
         // an attempt spent; the drain hands the lease back.
         attempt_span::report(&task, ctx, started, SpanOutcome::Stopped);
-        return None;
+        return Vec::new();
     }
     if let Ok(mut held) = held.lock() {
         held.remove(&(task.task_id, task.lease_token));
@@ -114,22 +120,30 @@ async fn run_one(
             // The commit may lease the flow's next task: read before it.
             let since = store.revocation_generation();
             // A draining worker takes no next Step with the commit.
-            let claim_next = if drain_state.draining.load(Ordering::Acquire) {
-                &ClaimNext {
-                    max: 0,
-                    ..claim_next.clone()
-                }
+            let share = if drain_state.draining.load(Ordering::Acquire) {
+                CommitShare::none()
             } else {
-                claim_next
+                runner.slots.for_commit(runner.claim_next.max)
+            };
+            let claim_next = ClaimNext {
+                max: share.max(),
+                ..runner.claim_next.clone()
             };
             let committed =
-                commit(store, registry, &task, step_result, claim_next, component).await;
+                commit(store, registry, &task, step_result, &claim_next, component).await;
             let outcome = match committed {
                 Some(_) => SpanOutcome::Committed,
                 None => SpanOutcome::NotCommitted,
             };
             attempt_span::report(&task, ctx, started, outcome);
-            let claimed = committed?;
+            // Gives back the slots taken for next Steps the commit did not
+            // lease (all of them when it did not commit).
+            runner
+                .slots
+                .settle(share, committed.as_ref().map_or(0, Vec::len));
+            let Some(claimed) = committed else {
+                return Vec::new();
+            };
             metrics::counter!(
                 telemetry::STEPS_COMPLETED,
                 "flow_type" => task.flow_type.clone(),
@@ -141,7 +155,7 @@ async fn run_one(
             if let Some(observer) = observer {
                 observer(&task, claimed_at.elapsed());
             }
-            claimed.into_iter().next().map(|next| (next, since))
+            claimed.into_iter().map(|next| (next, since)).collect()
         }
         Err(AttemptError::Taken) => {
             attempt_span::report(&task, ctx, started, SpanOutcome::Taken);
@@ -151,13 +165,13 @@ async fn run_one(
                 attempt = task.attempt,
                 "the Step's task was taken from its flow; the Step was stopped"
             );
-            None
+            Vec::new()
         }
         Err(err) => {
             let message = err.message();
             fail(store, registry, &task, err, component).await;
             attempt_span::report(&task, ctx, started, SpanOutcome::Failed(&message));
-            None
+            Vec::new()
         }
     }
 }

@@ -14,7 +14,8 @@ use super::drain::DrainState;
 use super::outage::{Outage, StoreHealth};
 use super::registry::Registry;
 use super::retry::{self, AttemptError};
-use super::run_step::{count_failed, run_task};
+use super::run_step::{count_failed, run_task, StepRunner};
+use super::slots::Slots;
 use super::store::{AttemptFailure, ClaimNext, FlowStore, StoreError};
 use super::types::ClaimedTask;
 
@@ -85,6 +86,14 @@ impl Default for WorkerOptions {
 /// How long a stopping worker lets its running Steps finish, by default.
 pub const DEFAULT_DRAIN: Duration = Duration::from_secs(30);
 
+/// The most of a flow's next Steps one commit leases to its worker: a
+/// quarter of the worker's slots. A fan-out's first share starts without a
+/// claim of its own; the rest, and other flows' Steps, go through the fair
+/// claim.
+fn commit_share(max_concurrent_tasks: usize) -> usize {
+    (max_concurrent_tasks / 4).max(1)
+}
+
 /// How soon a busy worker looks again for Steps that fell due.
 const BUSY_RECHECK: Duration = Duration::from_millis(25);
 
@@ -132,6 +141,20 @@ impl Worker {
         ));
         let mut running = JoinSet::new();
         let lease_ms = self.options.lease.as_millis() as i64;
+        let slots = Arc::new(Slots::new(self.options.max_concurrent_tasks));
+        let runner = Arc::new(StepRunner {
+            store: self.store.clone(),
+            registry: self.registry.clone(),
+            held: held.clone(),
+            drain_state: drain_state.clone(),
+            observer: self.options.on_step_committed.clone(),
+            claim_next: ClaimNext {
+                worker_id: self.options.worker_id.clone(),
+                max: commit_share(self.options.max_concurrent_tasks),
+                lease_ms,
+            },
+            slots: slots.clone(),
+        });
         let mut last_reap: Option<Instant> = None;
         let mut outage = Outage::new(&self.options.worker_id, self.options.store_health.clone());
         tokio::pin!(shutdown);
@@ -147,10 +170,9 @@ impl Worker {
                 last_reap = Some(Instant::now());
             }
             while running.try_join_next().is_some() {}
-            let free = self
-                .options
-                .max_concurrent_tasks
-                .saturating_sub(running.len());
+            // Taken before the claim, so a commit leasing next Steps cannot
+            // take the same slots meanwhile; what the claim leaves goes back.
+            let free = slots.take(self.options.max_concurrent_tasks);
             let mut claimed_all = false;
             let mut claimed_any = false;
             let mut back_off = None;
@@ -164,25 +186,17 @@ impl Worker {
                 {
                     Ok(tasks) => {
                         outage.answered();
+                        slots.give_back(free.saturating_sub(tasks.len()));
                         claimed_all = tasks.len() == free;
                         claimed_any = !tasks.is_empty();
                         for task in tasks {
-                            running.spawn(run_task(
-                                self.store.clone(),
-                                self.registry.clone(),
-                                held.clone(),
-                                drain_state.clone(),
-                                (task, since),
-                                self.options.on_step_committed.clone(),
-                                ClaimNext {
-                                    worker_id: self.options.worker_id.clone(),
-                                    max: 1,
-                                    lease_ms,
-                                },
-                            ));
+                            running.spawn(run_task(runner.clone(), (task, since)));
                         }
                     }
-                    Err(err) => back_off = Some(outage.failed("claiming tasks", &err)),
+                    Err(err) => {
+                        slots.give_back(free);
+                        back_off = Some(outage.failed("claiming tasks", &err));
+                    }
                 }
             }
             if claimed_all {
@@ -211,6 +225,8 @@ impl Worker {
                 _ = &mut notified => {}
                 _ = tokio::time::sleep(sleep_for) => {}
                 Some(_) = running.join_next(), if !running.is_empty() => {}
+                // A full worker claims again once a Step gives its slot back.
+                _ = slots.freed(), if free == 0 => {}
             }
         }
         drain_state.draining.store(true, Ordering::Release);
