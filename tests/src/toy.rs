@@ -107,7 +107,9 @@ pub struct Probe {
     pub runs: Mutex<std::collections::BTreeMap<String, usize>>,
     /// Files the process-crossing Steps use as gates.
     pub gate_dir: Option<PathBuf>,
+    /// Leaves running now, and the most that ever ran at once.
     pub running_now: AtomicUsize,
+    pub most_running: AtomicUsize,
 }
 
 impl Probe {
@@ -119,6 +121,7 @@ impl Probe {
             runs: Mutex::new(Default::default()),
             gate_dir,
             running_now: AtomicUsize::new(0),
+            most_running: AtomicUsize::new(0),
         })
     }
 
@@ -244,6 +247,9 @@ fn retry_flow(probe: Arc<Probe>) -> FlowType {
         .step(StepDef::new("Recover", recover))
 }
 
+/// How long a leaf stays running once the eight have met.
+const LEAF_HOLD: Duration = Duration::from_millis(50);
+
 /// `FanOut`: eight `Leaf` Steps that must all run at once (they meet at a
 /// barrier), then `Join` waits for their eight results.
 fn fan_out_flow(probe: Arc<Probe>) -> FlowType {
@@ -258,8 +264,12 @@ fn fan_out_flow(probe: Arc<Probe>) -> FlowType {
         let probe = probe.clone();
         async move {
             let started = Instant::now();
-            probe.running_now.fetch_add(1, Ordering::SeqCst);
+            let now = probe.running_now.fetch_add(1, Ordering::SeqCst) + 1;
+            probe.most_running.fetch_max(now, Ordering::SeqCst);
             let met = tokio::time::timeout(Duration::from_secs(20), probe.barrier.wait()).await;
+            // Held a while after the barrier, so that a Step started past
+            // the worker's slots would overlap the eight and be counted.
+            tokio::time::sleep(LEAF_HOLD).await;
             probe.running_now.fetch_sub(1, Ordering::SeqCst);
             if met.is_err() {
                 return Err(StepError::fatal(

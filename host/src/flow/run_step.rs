@@ -2,18 +2,20 @@
 //! deadlines, then its commit fenced by the lease, or its failure; and the
 //! flow's next Step when the commit leased it to this worker.
 
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
 use futures_util::stream::{FuturesUnordered, StreamExt};
+use futures_util::FutureExt;
 
 use super::attempt_span::{self, SpanOutcome};
 use super::context::{Heartbeat, StepContext};
 use super::drain::DrainState;
 use super::registry::{Registry, StepError};
 use super::retry::{self, AttemptError};
-use super::slots::{CommitShare, Slots};
+use super::slots::{Slots, Taken};
 use super::store::{AttemptFailure, ClaimNext, FlowStore, StepCommit, StoreError};
 use super::types::{history, ClaimedTask, StepHistoryEntry, StepOutcome, StepResult};
 use super::worker::{Held, HeldTasks, StepObserver};
@@ -32,26 +34,38 @@ pub(super) struct StepRunner {
     pub(super) slots: Arc<Slots>,
 }
 
-/// Runs `task` in the slot taken for it, then the flow's next Steps its
-/// commit leased to this worker: the first in the same slot, the others in
-/// the slots taken for them before the commit. Gives the slot back when no
-/// Step follows.
-pub(super) async fn run_task(runner: Arc<StepRunner>, task: (ClaimedTask, u64)) {
+/// A Step to run and the slot it runs in; `since` is the revocation
+/// generation read before it was leased (see `revoke::lease_taken`).
+pub(super) struct Leased {
+    pub(super) task: ClaimedTask,
+    pub(super) since: u64,
+    pub(super) slot: Taken,
+}
+
+/// Runs a leased Step, then the flow's next Steps its commit leased to this
+/// worker, side by side. Each runs in its own slot, which goes back when
+/// its run ends; a run that panics ends alone, and its slot goes back too.
+pub(super) async fn run_task(runner: Arc<StepRunner>, first: Leased) {
     let mut steps = FuturesUnordered::new();
-    steps.push(run_one(&runner, task.0, task.1));
-    while let Some(next) = steps.next().await {
-        if next.is_empty() {
-            runner.slots.give_back(1);
-        }
-        for (task, since) in next {
-            steps.push(run_one(&runner, task, since));
+    steps.push(AssertUnwindSafe(run_one(&runner, first)).catch_unwind());
+    while let Some(ran) = steps.next().await {
+        match ran {
+            Ok(next) => {
+                for leased in next {
+                    steps.push(AssertUnwindSafe(run_one(&runner, leased)).catch_unwind());
+                }
+            }
+            Err(_) => tracing::error!(
+                "a Step's run on this worker panicked; its lease runs out and another worker retries it"
+            ),
         }
     }
 }
 
-/// Runs one Step; returns the flow's next Steps its commit leased, each
-/// with a slot already taken for it.
-async fn run_one(runner: &StepRunner, task: ClaimedTask, since: u64) -> Vec<(ClaimedTask, u64)> {
+/// Runs one Step; returns the flow's next Steps its commit leased, each in
+/// a slot of its own: the first in this Step's, the others in slots taken
+/// before the commit.
+async fn run_one(runner: &StepRunner, leased: Leased) -> Vec<Leased> {
     let StepRunner {
         store,
         registry,
@@ -60,6 +74,7 @@ async fn run_one(runner: &StepRunner, task: ClaimedTask, since: u64) -> Vec<(Cla
         observer,
         ..
     } = runner;
+    let Leased { task, since, slot } = leased;
     let claimed_at = Instant::now();
     let started = SystemTime::now();
     metrics::counter!(
@@ -100,6 +115,14 @@ async fn run_one(runner: &StepRunner, task: ClaimedTask, since: u64) -> Vec<(Cla
                     entry.abort = Some(handle.abort_handle());
                 }
             }
+            // A Step leased with a commit that landed after the drain's cut
+            // started after the drain stopped the held handlers: it stops
+            // itself, and the drain hands its lease back. The cut is stored
+            // before the drain reads the held set, so one of the two sees
+            // the other.
+            if drain_state.cut.load(Ordering::Acquire) {
+                handle.abort();
+            }
             let taken = super::revoke::lease_taken(store.clone(), task.clone(), since);
             super::supervise::supervise(handle, &task.policy, &heartbeat, taken).await
         }
@@ -119,14 +142,22 @@ async fn run_one(runner: &StepRunner, task: ClaimedTask, since: u64) -> Vec<(Cla
         Ok(step_result) => {
             // The commit may lease the flow's next task: read before it.
             let since = store.revocation_generation();
-            // A draining worker takes no next Step with the commit.
-            let share = if drain_state.draining.load(Ordering::Acquire) {
-                CommitShare::none()
+            // The next Steps the commit may lease: the first runs in this
+            // Step's slot, the others in slots taken now (only as many as
+            // it starts ready), so the claim loop cannot hand them out
+            // meanwhile. A draining worker takes no next Step.
+            let mut extra = if drain_state.draining.load(Ordering::Acquire) {
+                None
             } else {
-                runner.slots.for_commit(runner.claim_next.max)
+                let ready = match &step_result.outcome {
+                    StepOutcome::Next(calls) => calls.iter().filter(|c| c.wait.is_none()).count(),
+                    StepOutcome::End | StepOutcome::Complete => 0,
+                };
+                let share = runner.claim_next.max.min(ready.max(1));
+                Some(runner.slots.take(share.saturating_sub(1)))
             };
             let claim_next = ClaimNext {
-                max: share.max(),
+                max: extra.as_ref().map_or(0, |extra| 1 + extra.len()),
                 ..runner.claim_next.clone()
             };
             let committed =
@@ -136,11 +167,6 @@ async fn run_one(runner: &StepRunner, task: ClaimedTask, since: u64) -> Vec<(Cla
                 None => SpanOutcome::NotCommitted,
             };
             attempt_span::report(&task, ctx, started, outcome);
-            // Gives back the slots taken for next Steps the commit did not
-            // lease (all of them when it did not commit).
-            runner
-                .slots
-                .settle(share, committed.as_ref().map_or(0, Vec::len));
             let Some(claimed) = committed else {
                 return Vec::new();
             };
@@ -155,7 +181,24 @@ async fn run_one(runner: &StepRunner, task: ClaimedTask, since: u64) -> Vec<(Cla
             if let Some(observer) = observer {
                 observer(&task, claimed_at.elapsed());
             }
-            claimed.into_iter().map(|next| (next, since)).collect()
+            let mut slot = Some(slot);
+            claimed
+                .into_iter()
+                .map(|task| {
+                    let slot = slot
+                        .take()
+                        .or_else(|| extra.as_mut().and_then(Taken::split_one))
+                        .unwrap_or_else(|| {
+                            // The store leases at most `max`: never reached.
+                            tracing::error!(
+                                task_id = task.task_id,
+                                "a commit leased more Steps than it asked for"
+                            );
+                            runner.slots.take(0)
+                        });
+                    Leased { task, since, slot }
+                })
+                .collect()
         }
         Err(AttemptError::Taken) => {
             attempt_span::report(&task, ctx, started, SpanOutcome::Taken);

@@ -1,8 +1,11 @@
 //! A worker's slots: how many Steps it runs at once. The claim loop and the
 //! commits that lease a flow's next Steps both take from them, so the two
-//! together never run more than the worker's limit.
+//! together never run more than the worker's limit. Slots are held by
+//! [`Taken`] guards and go back when those drop, on every path, a panic's
+//! unwinding included.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use tokio::sync::Notify;
 
@@ -15,58 +18,37 @@ pub(super) struct Slots {
 }
 
 impl Slots {
-    pub(super) fn new(max: usize) -> Self {
-        Self {
+    pub(super) fn new(max: usize) -> Arc<Self> {
+        Arc::new(Self {
             max,
             used: AtomicUsize::new(0),
             freed: Notify::new(),
-        }
+        })
     }
 
-    /// Takes up to `want` free slots; returns how many it took.
-    pub(super) fn take(&self, want: usize) -> usize {
+    /// Takes up to `want` free slots.
+    pub(super) fn take(self: &Arc<Self>, want: usize) -> Taken {
         let mut taken = 0;
-        // A failed exchange means another taker moved `used`: look again.
+        // The closure reruns when another taker moved `used` meanwhile.
         let _ = self
             .used
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
                 taken = want.min(self.max.saturating_sub(used));
                 Some(used + taken)
             });
-        taken
+        Taken {
+            slots: self.clone(),
+            n: taken,
+        }
     }
 
-    /// Gives back `n` slots taken before.
-    pub(super) fn give_back(&self, n: usize) {
+    fn give_back(&self, n: usize) {
         if n == 0 {
             return;
         }
-        let _ = self
-            .used
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
-                Some(used.saturating_sub(n))
-            });
+        let before = self.used.fetch_sub(n, Ordering::AcqRel);
+        debug_assert!(before >= n, "gave back {n} slots of {before} taken");
         self.freed.notify_one();
-    }
-
-    /// Takes the slots a commit's next Steps need besides the committing
-    /// Step's own, which passes to the first of them: up to `share - 1`.
-    pub(super) fn for_commit(&self, share: usize) -> CommitShare {
-        if share == 0 {
-            return CommitShare::none();
-        }
-        let extra = self.take(share - 1);
-        CommitShare {
-            max: 1 + extra,
-            extra,
-        }
-    }
-
-    /// Gives back the slots `share` took that the commit's `leased` next
-    /// Steps do not run in. The first runs in the committing Step's slot;
-    /// when none was leased, that slot goes back when the Step's run ends.
-    pub(super) fn settle(&self, share: CommitShare, leased: usize) {
-        self.give_back(share.extra.saturating_sub(leased.saturating_sub(1)));
     }
 
     /// Resolves once slots were given back since the last time it resolved.
@@ -81,25 +63,35 @@ impl Slots {
     }
 }
 
-/// The slots a commit took for the flow's next Steps it may lease.
-#[must_use = "settle the share once the commit returns"]
-pub(super) struct CommitShare {
-    /// The most next Steps the commit may lease: the committing Step's own
-    /// slot and the extra ones.
-    max: usize,
-    /// Slots taken besides the committing Step's own.
-    extra: usize,
+/// Slots taken and not yet given back: they go back when this drops.
+#[must_use = "the slots go back as soon as this drops"]
+pub(super) struct Taken {
+    slots: Arc<Slots>,
+    n: usize,
 }
 
-impl CommitShare {
-    /// A commit that leases nothing.
-    pub(super) fn none() -> Self {
-        Self { max: 0, extra: 0 }
+impl Taken {
+    /// How many slots this holds.
+    pub(super) fn len(&self) -> usize {
+        self.n
     }
 
-    /// The most next Steps the commit may lease.
-    pub(super) fn max(&self) -> usize {
-        self.max
+    /// One of these slots, for one Step; `None` when none is left.
+    pub(super) fn split_one(&mut self) -> Option<Taken> {
+        if self.n == 0 {
+            return None;
+        }
+        self.n -= 1;
+        Some(Taken {
+            slots: self.slots.clone(),
+            n: 1,
+        })
+    }
+}
+
+impl Drop for Taken {
+    fn drop(&mut self) {
+        self.slots.give_back(self.n);
     }
 }
 
@@ -108,65 +100,46 @@ mod tests {
     use super::*;
 
     #[test]
-    fn slots_are_never_taken_past_the_limit_and_come_back_when_given() {
+    fn slots_are_never_taken_past_the_limit_and_come_back_when_dropped() {
         let slots = Slots::new(4);
-        assert_eq!(slots.take(3), 3);
-        assert_eq!(slots.take(3), 1, "only one of four was left");
-        assert_eq!(slots.take(1), 0);
-        slots.give_back(2);
+        let mut three = slots.take(3);
+        assert_eq!(three.len(), 3);
+        let one = slots.take(3);
+        assert_eq!(one.len(), 1, "only one of four was left");
+        assert_eq!(slots.take(1).len(), 0);
+        let split = three.split_one();
+        assert_eq!(split.as_ref().map(Taken::len), Some(1));
+        assert_eq!((three.len(), slots.used()), (2, 4));
+        drop(three);
         assert_eq!(slots.used(), 2);
-        assert_eq!(slots.take(8), 2);
-        slots.give_back(4);
+        drop((one, split));
         assert_eq!(slots.used(), 0);
     }
 
     #[test]
-    fn a_commit_takes_its_share_from_the_free_slots_and_gives_back_what_it_did_not_lease() {
-        let slots = Slots::new(8);
-        assert_eq!(slots.take(1), 1, "the committing Step's own slot");
-        let share = slots.for_commit(4);
-        assert_eq!(share.max(), 4);
-        assert_eq!(slots.used(), 4);
-        // Two leased: the first in the Step's slot, the second in one extra.
-        slots.settle(share, 2);
-        assert_eq!(slots.used(), 2);
-
-        // Nothing leased (or no commit): every extra slot goes back; the
-        // Step's own goes back when its run ends.
-        let share = slots.for_commit(4);
-        slots.settle(share, 0);
-        assert_eq!(slots.used(), 2);
-    }
-
-    #[test]
-    fn a_commit_on_a_full_worker_may_lease_only_into_its_own_slot() {
-        let slots = Slots::new(8);
-        assert_eq!(slots.take(8), 8);
-        let share = slots.for_commit(4);
-        assert_eq!(share.max(), 1, "no slot is free beside the Step's own");
-        slots.settle(share, 1);
-        assert_eq!(slots.used(), 8);
-
-        slots.give_back(1);
-        let share = slots.for_commit(4);
-        assert_eq!(share.max(), 2, "one free slot beside the Step's own");
-        slots.settle(share, 2);
-        assert_eq!(slots.used(), 8);
-        assert_eq!(CommitShare::none().max(), 0);
+    fn a_slot_held_across_a_panic_comes_back() {
+        let slots = Slots::new(2);
+        let held = slots.take(2);
+        let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+            let _held = held;
+            panic!("a Step panicked");
+        }));
+        assert!(unwound.is_err());
+        assert_eq!(slots.used(), 0);
     }
 
     #[test]
     fn slots_taken_from_many_threads_at_once_never_exceed_the_limit() {
-        let slots = std::sync::Arc::new(Slots::new(16));
+        let slots = Slots::new(16);
         let threads: Vec<_> = (0..8)
             .map(|_| {
                 let slots = slots.clone();
                 std::thread::spawn(move || {
                     let mut most = 0;
                     for _ in 0..10_000 {
-                        let got = slots.take(3);
+                        let taken = slots.take(3);
                         most = most.max(slots.used());
-                        slots.give_back(got);
+                        drop(taken);
                     }
                     most
                 })

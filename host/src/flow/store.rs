@@ -66,8 +66,9 @@ pub struct StepCommit {
     /// Complete the flow now, dropping its other tasks.
     pub complete_flow: bool,
     pub history: StepHistoryEntry,
-    /// Lease the flow's next ready task to the committing worker in the same
-    /// transaction, saving a claim round trip on a flow's critical path.
+    /// Lease up to `max` of the flow's next ready tasks to the committing
+    /// worker in the same transaction, saving a claim round trip on a
+    /// flow's critical path.
     pub claim_next: Option<ClaimNext>,
 }
 

@@ -14,7 +14,7 @@ use super::drain::DrainState;
 use super::outage::{Outage, StoreHealth};
 use super::registry::Registry;
 use super::retry::{self, AttemptError};
-use super::run_step::{count_failed, run_task, StepRunner};
+use super::run_step::{count_failed, run_task, Leased, StepRunner};
 use super::slots::Slots;
 use super::store::{AttemptFailure, ClaimNext, FlowStore, StoreError};
 use super::types::ClaimedTask;
@@ -87,9 +87,11 @@ impl Default for WorkerOptions {
 pub const DEFAULT_DRAIN: Duration = Duration::from_secs(30);
 
 /// The most of a flow's next Steps one commit leases to its worker: a
-/// quarter of the worker's slots. A fan-out's first share starts without a
-/// claim of its own; the rest, and other flows' Steps, go through the fair
-/// claim.
+/// quarter of the worker's slots, and only free ones. A fan-out's first
+/// share starts without a claim of its own; the rest, and other flows'
+/// Steps, go through the fair claim. Several fan-outs committing at once
+/// may each take a share before an older due Step of another flow: that
+/// Step waits for the next free slot, as behind any running Steps.
 fn commit_share(max_concurrent_tasks: usize) -> usize {
     (max_concurrent_tasks / 4).max(1)
 }
@@ -141,7 +143,7 @@ impl Worker {
         ));
         let mut running = JoinSet::new();
         let lease_ms = self.options.lease.as_millis() as i64;
-        let slots = Arc::new(Slots::new(self.options.max_concurrent_tasks));
+        let slots = Slots::new(self.options.max_concurrent_tasks);
         let runner = Arc::new(StepRunner {
             store: self.store.clone(),
             registry: self.registry.clone(),
@@ -172,7 +174,8 @@ impl Worker {
             while running.try_join_next().is_some() {}
             // Taken before the claim, so a commit leasing next Steps cannot
             // take the same slots meanwhile; what the claim leaves goes back.
-            let free = slots.take(self.options.max_concurrent_tasks);
+            let mut taken = slots.take(self.options.max_concurrent_tasks);
+            let free = taken.len();
             let mut claimed_all = false;
             let mut claimed_any = false;
             let mut back_off = None;
@@ -186,19 +189,19 @@ impl Worker {
                 {
                     Ok(tasks) => {
                         outage.answered();
-                        slots.give_back(free.saturating_sub(tasks.len()));
                         claimed_all = tasks.len() == free;
                         claimed_any = !tasks.is_empty();
                         for task in tasks {
-                            running.spawn(run_task(runner.clone(), (task, since)));
+                            // The store leases at most `free`: each finds one.
+                            let slot = taken.split_one().unwrap_or_else(|| slots.take(0));
+                            running.spawn(run_task(runner.clone(), Leased { task, since, slot }));
                         }
                     }
-                    Err(err) => {
-                        slots.give_back(free);
-                        back_off = Some(outage.failed("claiming tasks", &err));
-                    }
+                    Err(err) => back_off = Some(outage.failed("claiming tasks", &err)),
                 }
             }
+            // The slots the claim found no Step for go back.
+            drop(taken);
             if claimed_all {
                 continue;
             }
