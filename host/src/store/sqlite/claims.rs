@@ -103,20 +103,7 @@ fn due_task_ids(
     flow_types: &[String],
     max: usize,
 ) -> Result<Vec<i64>, StoreError> {
-    let sql = format!(
-        "SELECT task_id FROM (
-           SELECT task_id, flow_id, not_before_ms,
-                  ROW_NUMBER() OVER (PARTITION BY flow_id ORDER BY not_before_ms, task_id) AS rank
-           FROM (
-             SELECT task_id, flow_id, not_before_ms FROM tasks AS t
-             WHERE flow_type IN ({})
-               AND ((state = 'ready' AND not_before_ms <= ?) OR (state = 'waiting' AND wake_at_ms <= ?))
-             ORDER BY not_before_ms, task_id LIMIT ?)) AS due
-         ORDER BY rank + (SELECT COUNT(*) FROM tasks AS l WHERE l.flow_id = due.flow_id AND l.state = 'leased'),
-                  not_before_ms, task_id
-         LIMIT ?",
-        in_list(flow_types.len())
-    );
+    let sql = due_tasks_sql(flow_types.len());
     let mut values: Vec<rusqlite::types::Value> =
         flow_types.iter().map(|t| t.clone().into()).collect();
     values.push(now.into());
@@ -130,14 +117,35 @@ fn due_task_ids(
     Ok(ids)
 }
 
+/// The fair claim's query for `types` flow types: the flow types, `now`
+/// twice, the window and the limit are its parameters.
+fn due_tasks_sql(types: usize) -> String {
+    format!(
+        "SELECT task_id FROM (
+           SELECT task_id, flow_id, not_before_ms,
+                  ROW_NUMBER() OVER (PARTITION BY flow_id ORDER BY not_before_ms, task_id) AS rank
+           FROM (
+             SELECT task_id, flow_id, not_before_ms FROM tasks AS t
+             WHERE flow_type IN ({})
+               AND ((state = 'ready' AND not_before_ms <= ?) OR (state = 'waiting' AND wake_at_ms <= ?))
+             ORDER BY not_before_ms, task_id LIMIT ?)) AS due
+         ORDER BY rank + (SELECT COUNT(*) FROM tasks AS l WHERE l.flow_id = due.flow_id AND l.state = 'leased'),
+                  not_before_ms, task_id
+         LIMIT ?",
+        in_list(types)
+    )
+}
+
 /// The due tasks of one flow, oldest first, when none of its tasks is
-/// leased: a flow's next Step rides with its commit only on a sequential
-/// path, and a flow already running others (a fan-out) gets its next one
-/// through the fair claim, so that it cannot keep a worker's slots from
-/// other flows by committing into them.
+/// leased: a flow's next Steps ride with its commit only when the commit
+/// ends the last Step it ran (a sequential Step, or the one that starts a
+/// fan-out, whose first share rides along: the worker asks for at most a
+/// quarter of its slots, and only for free ones). A flow already running
+/// others gets its next ones through the fair claim, so that it cannot keep
+/// a worker's slots from other flows by committing into them.
 ///
-/// `INDEXED BY` because, without statistics, SQLite picks the global
-/// `state` indexes and walks every due task of every flow (a window
+/// `INDEXED BY` because, without statistics, SQLite may pick the global
+/// per-state indexes and walk every due task of every flow (a window
 /// function and three sorts on top) to find this flow's: 130 µs a commit in
 /// `dexa bench turn`, where the flow's own rows take a few.
 fn flow_next_task_ids(
@@ -159,4 +167,45 @@ fn flow_next_task_ids(
         })?
         .collect::<Result<Vec<_>, _>>()?;
     Ok(ids)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each line of SQLite's plan for `sql` run with `values`.
+    fn plan(conn: &Connection, sql: &str, values: Vec<rusqlite::types::Value>) -> Vec<String> {
+        let mut stmt = conn
+            .prepare(&format!("EXPLAIN QUERY PLAN {sql}"))
+            .unwrap_or_else(|err| panic!("{err}"));
+        let lines = stmt
+            .query_map(params_from_iter(values), |row| row.get::<_, String>(3))
+            .unwrap_or_else(|err| panic!("{err}"))
+            .collect::<Result<Vec<_>, _>>()
+            .unwrap_or_else(|err| panic!("{err}"));
+        lines
+    }
+
+    /// The fair claim finds due tasks through the ready and waiting tasks'
+    /// own indexes: it never walks the table nor the leased tasks.
+    #[test]
+    fn a_claim_searches_only_the_due_states_indexes() {
+        let mut conn = Connection::open_in_memory().unwrap_or_else(|err| panic!("{err}"));
+        super::super::schema::migrate(&mut conn).unwrap_or_else(|err| panic!("{err}"));
+        let values = vec![
+            "T".to_string().into(),
+            5_i64.into(),
+            5_i64.into(),
+            256_i64.into(),
+            8_i64.into(),
+        ];
+        let lines = plan(&conn, &due_tasks_sql(1), values);
+        let text = lines.join("\n");
+        assert!(text.contains("USING INDEX tasks_ready_at"), "{text}");
+        assert!(text.contains("USING INDEX tasks_waiting_until"), "{text}");
+        assert!(
+            !lines.iter().any(|line| line.starts_with("SCAN t")),
+            "no scan of the tasks table:\n{text}"
+        );
+    }
 }

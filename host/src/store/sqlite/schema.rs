@@ -4,7 +4,7 @@ use rusqlite::Connection;
 
 use crate::flow::StoreError;
 
-const SCHEMA_VERSION: i64 = 3;
+const SCHEMA_VERSION: i64 = 4;
 
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS flows (
@@ -45,11 +45,16 @@ CREATE TABLE IF NOT EXISTS tasks (
     first_attempt_at_ms  INTEGER,
     attempt_started_at_ms INTEGER
 );
-CREATE INDEX IF NOT EXISTS tasks_ready ON tasks (state, not_before_ms);
-CREATE INDEX IF NOT EXISTS tasks_waking ON tasks (state, wake_at_ms);
-CREATE INDEX IF NOT EXISTS tasks_leased ON tasks (state, lease_expires_ms);
-CREATE INDEX IF NOT EXISTS tasks_by_flow ON tasks (flow_id, wait_channel, wait_key);
--- Fair claims count each candidate flow's leased tasks.
+-- Partial indexes, one per state: a task's state change moves it between
+-- two of them and leaves the others alone, where an index on (state, ...)
+-- for each would change all of them (schema 4; see `migrate`).
+CREATE INDEX IF NOT EXISTS tasks_ready_at ON tasks (not_before_ms) WHERE state = 'ready';
+CREATE INDEX IF NOT EXISTS tasks_waiting_until ON tasks (wake_at_ms) WHERE state = 'waiting';
+CREATE INDEX IF NOT EXISTS tasks_leased_until ON tasks (lease_expires_ms) WHERE state = 'leased';
+-- Which waiting tasks a message to a channel wakes.
+CREATE INDEX IF NOT EXISTS tasks_waiting_on ON tasks (flow_id, wait_channel, wait_key)
+    WHERE state = 'waiting';
+-- A flow's tasks; fair claims count each candidate flow's leased tasks.
 CREATE INDEX IF NOT EXISTS tasks_by_flow_state ON tasks (flow_id, state);
 
 -- Attributes use key ''; AttributeMaps one row per key.
@@ -164,6 +169,16 @@ pub(super) fn migrate(conn: &mut Connection) -> Result<(), StoreError> {
             "the store was written by a newer dexa (schema {version}, this one knows {SCHEMA_VERSION})"
         )));
     }
+    // Schema 4: the tasks' state indexes become partial; the old ones are
+    // dropped in the transaction that makes the new ones.
+    if (1..=3).contains(&version) {
+        tx.execute_batch(
+            "DROP INDEX IF EXISTS tasks_ready;
+             DROP INDEX IF EXISTS tasks_waking;
+             DROP INDEX IF EXISTS tasks_leased;
+             DROP INDEX IF EXISTS tasks_by_flow;",
+        )?;
+    }
     tx.execute_batch(SCHEMA)?;
     // Schema 2: when each history entry's attempt started.
     if version == 1 {
@@ -222,5 +237,78 @@ mod tests {
             newer.as_ref().is_err_and(|e| e.contains("newer dexa")),
             "{newer:?}"
         );
+    }
+
+    /// The names of the `tasks` table's indexes, sorted.
+    fn task_indexes(conn: &Connection) -> Vec<String> {
+        let mut stmt = conn
+            .prepare(
+                "SELECT name FROM sqlite_master
+                 WHERE type = 'index' AND tbl_name = 'tasks' AND sql IS NOT NULL ORDER BY name",
+            )
+            .unwrap_or_else(|err| panic!("{err}"));
+        let names = stmt
+            .query_map([], |row| row.get::<_, String>(0))
+            .unwrap_or_else(|err| panic!("{err}"))
+            .collect::<Result<Vec<_>, _>>()
+            .unwrap_or_else(|err| panic!("{err}"));
+        names
+    }
+
+    /// A schema 3 store trades its four state indexes on `tasks` for
+    /// partial ones, keeping its tasks; a new store has the same indexes.
+    #[test]
+    fn a_schema_3_store_gets_the_partial_task_indexes() {
+        let mut old = Connection::open_in_memory().unwrap_or_else(|err| panic!("{err}"));
+        migrate(&mut old).unwrap_or_else(|err| panic!("{err}"));
+        old.execute_batch(
+            "DROP INDEX tasks_ready_at; DROP INDEX tasks_waiting_until;
+             DROP INDEX tasks_leased_until; DROP INDEX tasks_waiting_on;
+             CREATE INDEX tasks_ready ON tasks (state, not_before_ms);
+             CREATE INDEX tasks_waking ON tasks (state, wake_at_ms);
+             CREATE INDEX tasks_leased ON tasks (state, lease_expires_ms);
+             CREATE INDEX tasks_by_flow ON tasks (flow_id, wait_channel, wait_key);
+             INSERT INTO tasks (flow_id, flow_type, step_type, input, state, attempt,
+                 not_before_ms, policy, locks)
+                 VALUES ('f', 'T', 'S', '{}', 'ready', 1, 0, '{}', '[]');
+             PRAGMA user_version = 3;",
+        )
+        .unwrap_or_else(|err| panic!("{err}"));
+        migrate(&mut old).unwrap_or_else(|err| panic!("{err}"));
+
+        let mut new = Connection::open_in_memory().unwrap_or_else(|err| panic!("{err}"));
+        migrate(&mut new).unwrap_or_else(|err| panic!("{err}"));
+        let expected = [
+            "tasks_by_flow_state",
+            "tasks_leased_until",
+            "tasks_ready_at",
+            "tasks_waiting_on",
+            "tasks_waiting_until",
+        ];
+        for conn in [&old, &new] {
+            assert_eq!(task_indexes(conn), expected);
+            // Only the flow index keeps every task; the others are partial.
+            for name in &expected[1..] {
+                let sql: String = conn
+                    .query_row(
+                        "SELECT sql FROM sqlite_master WHERE name = ?1",
+                        [name],
+                        |row| row.get(0),
+                    )
+                    .unwrap_or_else(|err| panic!("{err}"));
+                assert!(
+                    sql.contains("WHERE state = '"),
+                    "{name} is not partial: {sql}"
+                );
+            }
+        }
+        let tasks: i64 = old
+            .query_row(
+                "SELECT COUNT(*) FROM tasks WHERE state = 'ready'",
+                [],
+                |row| row.get(0),
+            )
+            .unwrap_or_else(|err| panic!("{err}"));
+        assert_eq!(tasks, 1);
     }
 }
