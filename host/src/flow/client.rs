@@ -88,13 +88,22 @@ impl FlowClient {
         T: Send + 'static,
         F: FnOnce(&mut dyn StateTx) -> Result<T, RpcError> + Send + 'static,
     {
-        let value = self
-            .store
-            .rpc(
-                flow_id,
-                Box::new(move |tx| body(tx).map(|v| Box::new(v) as Box<dyn std::any::Any + Send>)),
-            )
-            .await?;
+        self.rpc_once_as(false, flow_id, body).await
+    }
+
+    /// [`Self::rpc_once`], run with [`FlowStore::rpc_small`] when `small`.
+    async fn rpc_once_as<T, F>(&self, small: bool, flow_id: &str, body: F) -> Result<T, RpcError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut dyn StateTx) -> Result<T, RpcError> + Send + 'static,
+    {
+        let body: super::store::RpcBody =
+            Box::new(move |tx| body(tx).map(|v| Box::new(v) as Box<dyn std::any::Any + Send>));
+        let value = if small {
+            self.store.rpc_small(flow_id, body).await?
+        } else {
+            self.store.rpc(flow_id, body).await?
+        };
         value
             .downcast::<T>()
             .map(|v| *v)
@@ -128,12 +137,33 @@ impl FlowClient {
         T: Send + 'static,
         F: Fn(&mut dyn StateTx) -> Result<T, RpcError> + Send + Sync + 'static,
     {
+        self.rpc_as(false, flow_id, body).await
+    }
+
+    /// [`Self::rpc`] for a body its caller knows to be small: a few rows and
+    /// a few KiB (see [`FlowStore::rpc_small`]).
+    pub async fn rpc_small<T, F>(&self, flow_id: &str, body: F) -> Result<T, RpcError>
+    where
+        T: Send + 'static,
+        F: Fn(&mut dyn StateTx) -> Result<T, RpcError> + Send + Sync + 'static,
+    {
+        self.rpc_as(true, flow_id, body).await
+    }
+
+    async fn rpc_as<T, F>(&self, small: bool, flow_id: &str, body: F) -> Result<T, RpcError>
+    where
+        T: Send + 'static,
+        F: Fn(&mut dyn StateTx) -> Result<T, RpcError> + Send + Sync + 'static,
+    {
         let body = Arc::new(body);
         let started = Instant::now();
         let mut pause = Duration::from_millis(5);
         loop {
             let attempt = body.clone();
-            match self.rpc_once(flow_id, move |tx| attempt(tx)).await {
+            match self
+                .rpc_once_as(small, flow_id, move |tx| attempt(tx))
+                .await
+            {
                 Err(RpcError::LockConflict { .. }) if started.elapsed() < RPC_LOCK_RETRY => {
                     tokio::time::sleep(pause).await;
                     pause = (pause * 2).min(Duration::from_millis(200));

@@ -379,6 +379,18 @@ pub trait FlowStore: Send + Sync + 'static {
     /// Runs `body` in one transaction on `flow_id`'s state.
     async fn rpc(&self, flow_id: &str, body: RpcBody) -> Result<Box<dyn Any + Send>, RpcError>;
 
+    /// [`Self::rpc`] for a body its caller knows to be small: a few rows
+    /// and a few KiB (a user message queued). A backend may run it on the
+    /// caller's thread when the store is quiet, sparing it a hop to a
+    /// writer thread and back; the default is [`Self::rpc`].
+    async fn rpc_small(
+        &self,
+        flow_id: &str,
+        body: RpcBody,
+    ) -> Result<Box<dyn Any + Send>, RpcError> {
+        self.rpc(flow_id, body).await
+    }
+
     /// Runs `body` in one read-only transaction on `flow_id`'s state: every
     /// read sees one consistent snapshot, and every write (`set`, `delete`,
     /// `publish`, `lock`) is refused. Reads that only draw a session (a

@@ -81,6 +81,11 @@ pub struct AgentSessionClient {
 /// [`MAX_IDEMPOTENCY_KEYS`], and each send's work stays bounded.
 const IDEMPOTENCY_PRUNE_BATCH: usize = 16;
 
+/// The longest text a send queues as a small write (see
+/// [`crate::flow::FlowClient::rpc_small`]): with the bounded key pruning
+/// above, such a send writes a few rows and a few KiB.
+const SMALL_SEND_BYTES: usize = 16 << 10;
+
 fn corrupt(what: &str, err: serde_json::Error) -> RpcError {
     RpcError::Store(StoreError::Corrupt(format!("{what}: {err}")))
 }
@@ -439,60 +444,66 @@ impl AgentSessionClient {
             )
         });
         let id = session_id.to_string();
-        let outcome = self
-            .client
-            .rpc(session_id, move |tx| {
-                let Some(flow) = tx.flow()? else {
-                    return Ok(Err(SessionError::NoSuchSession(id.clone())));
-                };
-                // A retry gets the first answer, whatever happened since.
-                if let Some((key, text_sha256)) = &key {
-                    if let Some(seen) = tx.get(IDEMPOTENCY_KEYS, key)? {
-                        let seen: IdempotencyRecord = decode("an idempotency key", seen.value)?;
-                        if seen.text_sha256 != *text_sha256 {
-                            return Ok(Err(SessionError::IdempotencyKeyReused {
-                                session_id: id.clone(),
-                                key: key.clone(),
-                            }));
-                        }
-                        return Ok(Ok(Sent {
-                            outcome: SendOutcome::Replayed,
-                            message_id: seen.message_id,
-                            interrupted: None,
+        // A plain send of a short text publishes one message and remembers
+        // one key: small enough to skip the store's writer thread. A steer
+        // takes the running turn's tasks, which is not small.
+        let small = !interrupt && text.len() <= SMALL_SEND_BYTES;
+        let send = move |tx: &mut dyn StateTx| {
+            let Some(flow) = tx.flow()? else {
+                return Ok(Err(SessionError::NoSuchSession(id.clone())));
+            };
+            // A retry gets the first answer, whatever happened since.
+            if let Some((key, text_sha256)) = &key {
+                if let Some(seen) = tx.get(IDEMPOTENCY_KEYS, key)? {
+                    let seen: IdempotencyRecord = decode("an idempotency key", seen.value)?;
+                    if seen.text_sha256 != *text_sha256 {
+                        return Ok(Err(SessionError::IdempotencyKeyReused {
+                            session_id: id.clone(),
+                            key: key.clone(),
                         }));
                     }
-                }
-                if flow.status != FlowStatus::Running {
-                    return Ok(Err(SessionError::NotRunning {
-                        session_id: id.clone(),
-                        status: flow.status.as_str().to_string(),
+                    return Ok(Ok(Sent {
+                        outcome: SendOutcome::Replayed,
+                        message_id: seen.message_id,
+                        interrupted: None,
                     }));
                 }
-                let running = if interrupt {
-                    super::cancel::active_turn(tx)?
-                } else {
-                    None
-                };
-                match &running {
-                    Some(turn) => {
-                        if let Err(err) =
-                            super::cancel::take_turn(tx, &registry, turn, Some(user.clone()))?
-                        {
-                            return Ok(Err(err.for_session(&id)));
-                        }
+            }
+            if flow.status != FlowStatus::Running {
+                return Ok(Err(SessionError::NotRunning {
+                    session_id: id.clone(),
+                    status: flow.status.as_str().to_string(),
+                }));
+            }
+            let running = if interrupt {
+                super::cancel::active_turn(tx)?
+            } else {
+                None
+            };
+            match &running {
+                Some(turn) => {
+                    if let Err(err) =
+                        super::cancel::take_turn(tx, &registry, turn, Some(user.clone()))?
+                    {
+                        return Ok(Err(err.for_session(&id)));
                     }
-                    None => tx.publish(QUEUED_USER_MESSAGES, "", message.clone())?,
                 }
-                if let Some((key, text_sha256)) = &key {
-                    remember_idempotency_key(tx, key, text_sha256, &message_id)?;
-                }
-                Ok(Ok(Sent {
-                    outcome: SendOutcome::Queued,
-                    message_id: Some(message_id.clone()),
-                    interrupted: running,
-                }))
-            })
-            .await?;
+                None => tx.publish(QUEUED_USER_MESSAGES, "", message.clone())?,
+            }
+            if let Some((key, text_sha256)) = &key {
+                remember_idempotency_key(tx, key, text_sha256, &message_id)?;
+            }
+            Ok(Ok(Sent {
+                outcome: SendOutcome::Queued,
+                message_id: Some(message_id.clone()),
+                interrupted: running,
+            }))
+        };
+        let outcome = if small {
+            self.client.rpc_small(session_id, send).await?
+        } else {
+            self.client.rpc(session_id, send).await?
+        };
         outcome
     }
 

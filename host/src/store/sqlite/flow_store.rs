@@ -328,19 +328,16 @@ impl FlowStore for SqliteStore {
     }
 
     async fn rpc(&self, flow_id: &str, body: RpcBody) -> Result<Box<dyn Any + Send>, RpcError> {
-        let flow = flow_id.to_string();
-        let (value, wakes) = self
-            .write_job(WriteKind::WAKES, move |conn, now| {
-                rpc::run(conn, flow, now, body)
-            })
-            .await?;
-        if wakes.appended {
-            self.inner.streams.wake(flow_id);
-        }
-        if wakes.took {
-            self.inner.revocations.wake(flow_id);
-        }
-        Ok(value)
+        self.rpc_as(WriteKind::WAKES, flow_id, body).await
+    }
+
+    async fn rpc_small(
+        &self,
+        flow_id: &str,
+        body: RpcBody,
+    ) -> Result<Box<dyn Any + Send>, RpcError> {
+        self.rpc_as(WriteKind::WAKES.small_if(true), flow_id, body)
+            .await
     }
 
     /// On a read connection, off the runtime, in one deferred transaction:
@@ -354,5 +351,90 @@ impl FlowStore for SqliteStore {
         let flow_id = flow_id.to_string();
         self.read_blocking(move |conn, now| rpc::run_read_only(conn, flow_id, now, body))
             .await
+    }
+}
+
+impl SqliteStore {
+    /// Runs an RPC as a write of `kind`, then wakes what its commit moved.
+    async fn rpc_as(
+        &self,
+        kind: WriteKind,
+        flow_id: &str,
+        body: RpcBody,
+    ) -> Result<Box<dyn Any + Send>, RpcError> {
+        let flow = flow_id.to_string();
+        let (value, wakes) = self
+            .write_job(kind, move |conn, now| rpc::run(conn, flow, now, body))
+            .await?;
+        if wakes.appended {
+            self.inner.streams.wake(flow_id);
+        }
+        if wakes.took {
+            self.inner.revocations.wake(flow_id);
+        }
+        Ok(value)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    use crate::store::sqlite::{SqliteOptions, Synchronous};
+
+    /// The thread an RPC's body ran on; the body writes a row, as a send
+    /// does.
+    async fn rpc_thread(store: &SqliteStore, small: bool) -> std::thread::ThreadId {
+        let body: RpcBody = Box::new(|tx| {
+            tx.set("sent", "", serde_json::json!(1))?;
+            Ok(Box::new(std::thread::current().id()) as Box<dyn Any + Send>)
+        });
+        let ran = if small {
+            store.rpc_small("f", body).await
+        } else {
+            store.rpc("f", body).await
+        };
+        match ran.map(|value| value.downcast::<std::thread::ThreadId>()) {
+            Ok(Ok(thread)) => *thread,
+            _ => panic!("the RPC did not answer with its thread"),
+        }
+    }
+
+    /// A small RPC (a queued user message) to a quiet store runs on its
+    /// caller's thread; any other RPC goes through the writer thread. Right
+    /// after a commit the writer thread may still hold the connection for
+    /// a moment (then a small RPC queues too), so the small one is tried a
+    /// few times.
+    #[test]
+    fn a_small_rpc_to_a_quiet_store_runs_on_its_callers_thread() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = SqliteStore::open(
+            dir.path().join("store.db"),
+            SqliteOptions {
+                synchronous: Synchronous::Normal,
+            },
+        )
+        .expect("open");
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let here = std::thread::current().id();
+        runtime.block_on(async {
+            for _ in 0..3 {
+                assert_ne!(rpc_thread(&store, false).await, here);
+            }
+            let mut here_once = false;
+            for _ in 0..50 {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                if rpc_thread(&store, true).await == here {
+                    here_once = true;
+                    break;
+                }
+            }
+            assert!(here_once, "no small RPC ran on its caller's thread");
+            assert_ne!(rpc_thread(&store, false).await, here);
+        });
     }
 }
