@@ -190,7 +190,14 @@ mod tests {
     /// own indexes: it never walks the table nor the leased tasks.
     #[test]
     fn a_claim_searches_only_the_due_states_indexes() {
-        let mut conn = Connection::open_in_memory().unwrap_or_else(|err| panic!("{err}"));
+        // A connection made as the store makes its own: the planner's
+        // stability guarantee is on.
+        let dir = tempfile::tempdir().unwrap_or_else(|err| panic!("{err}"));
+        let options = super::super::SqliteOptions {
+            synchronous: super::super::Synchronous::Normal,
+        };
+        let mut conn = super::super::connection::connect(&dir.path().join("plan.db"), &options)
+            .unwrap_or_else(|err| panic!("{err}"));
         super::super::schema::migrate(&mut conn).unwrap_or_else(|err| panic!("{err}"));
         let values = vec![
             "T".to_string().into(),

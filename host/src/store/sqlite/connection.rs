@@ -55,7 +55,7 @@ pub(super) fn open_reader(path: &Path, options: &SqliteOptions) -> Result<Connec
     }
 }
 
-fn connect(path: &Path, options: &SqliteOptions) -> Result<Connection, StoreError> {
+pub(super) fn connect(path: &Path, options: &SqliteOptions) -> Result<Connection, StoreError> {
     let conn = Connection::open(path)
         .map_err(|err| StoreError::Backend(format!("cannot open {}: {err}", path.display())))?;
     conn.busy_timeout(BUSY_TIMEOUT)?;
@@ -73,7 +73,10 @@ fn connect(path: &Path, options: &SqliteOptions) -> Result<Connection, StoreErro
     // map reads and the history pages all have one, and recompiling them
     // was a twentieth of the CPU of a benchmark turn. Plans that ignore the
     // bound values are the ones these indexed lookups want anyway (no
-    // index of the schema is partial, and no statistics are gathered).
+    // statistics are gathered). The `tasks` table's per-state indexes are
+    // partial: a statement uses one only when it names the state as a
+    // literal (`state = 'ready'`), never as a bound value, which the plan
+    // would ignore and scan the table.
     conn.set_db_config(DbConfig::SQLITE_DBCONFIG_ENABLE_QPSG, true)?;
     conn.set_prepared_statement_cache_capacity(256);
     Ok(conn)

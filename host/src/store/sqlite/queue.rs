@@ -8,7 +8,13 @@ use crate::flow::types::TaskCounts;
 
 pub(super) fn task_counts(conn: &Connection) -> Result<TaskCounts, StoreError> {
     let mut statement = conn
-        .prepare_cached("SELECT state, COUNT(*) FROM tasks GROUP BY state")
+        // One count per state, each over that state's partial index; a
+        // GROUP BY would read every task through the flow index and sort.
+        .prepare_cached(
+            "SELECT 'waiting', COUNT(*) FROM tasks WHERE state = 'waiting'
+             UNION ALL SELECT 'ready', COUNT(*) FROM tasks WHERE state = 'ready'
+             UNION ALL SELECT 'leased', COUNT(*) FROM tasks WHERE state = 'leased'",
+        )
         .map_err(backend)?;
     let rows = statement
         .query_map([], |row| {

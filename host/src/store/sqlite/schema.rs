@@ -4,7 +4,7 @@ use rusqlite::Connection;
 
 use crate::flow::StoreError;
 
-const SCHEMA_VERSION: i64 = 4;
+const SCHEMA_VERSION: i64 = 3;
 
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS flows (
@@ -47,7 +47,8 @@ CREATE TABLE IF NOT EXISTS tasks (
 );
 -- Partial indexes, one per state: a task's state change moves it between
 -- two of them and leaves the others alone, where an index on (state, ...)
--- for each would change all of them (schema 4; see `migrate`).
+-- for each would change all of them. Additive (no version bump; see
+-- `migrate`): an older dexa works on the same store.
 CREATE INDEX IF NOT EXISTS tasks_ready_at ON tasks (not_before_ms) WHERE state = 'ready';
 CREATE INDEX IF NOT EXISTS tasks_waiting_until ON tasks (wake_at_ms) WHERE state = 'waiting';
 CREATE INDEX IF NOT EXISTS tasks_leased_until ON tasks (lease_expires_ms) WHERE state = 'leased';
@@ -169,16 +170,17 @@ pub(super) fn migrate(conn: &mut Connection) -> Result<(), StoreError> {
             "the store was written by a newer dexa (schema {version}, this one knows {SCHEMA_VERSION})"
         )));
     }
-    // Schema 4: the tasks' state indexes become partial; the old ones are
-    // dropped in the transaction that makes the new ones.
-    if (1..=3).contains(&version) {
-        tx.execute_batch(
-            "DROP INDEX IF EXISTS tasks_ready;
-             DROP INDEX IF EXISTS tasks_waking;
-             DROP INDEX IF EXISTS tasks_leased;
-             DROP INDEX IF EXISTS tasks_by_flow;",
-        )?;
-    }
+    // The tasks' old per-state indexes give way to the partial ones, in the
+    // transaction that makes those. This is no schema change: an older dexa
+    // on the same store (a rolling upgrade) reads and writes it as before,
+    // and makes its own indexes again when it opens it; they go again at
+    // this one's next open.
+    tx.execute_batch(
+        "DROP INDEX IF EXISTS tasks_ready;
+         DROP INDEX IF EXISTS tasks_waking;
+         DROP INDEX IF EXISTS tasks_leased;
+         DROP INDEX IF EXISTS tasks_by_flow;",
+    )?;
     tx.execute_batch(SCHEMA)?;
     // Schema 2: when each history entry's attempt started.
     if version == 1 {
@@ -255,10 +257,11 @@ mod tests {
         names
     }
 
-    /// A schema 3 store trades its four state indexes on `tasks` for
-    /// partial ones, keeping its tasks; a new store has the same indexes.
+    /// A store with the four old state indexes on `tasks` (made by an
+    /// older dexa) trades them for partial ones, keeping its tasks; a new
+    /// store has the same indexes.
     #[test]
-    fn a_schema_3_store_gets_the_partial_task_indexes() {
+    fn a_store_with_the_old_task_indexes_gets_the_partial_ones() {
         let mut old = Connection::open_in_memory().unwrap_or_else(|err| panic!("{err}"));
         migrate(&mut old).unwrap_or_else(|err| panic!("{err}"));
         old.execute_batch(
