@@ -444,10 +444,11 @@ impl AgentSessionClient {
             )
         });
         let id = session_id.to_string();
-        // A plain send of a short text publishes one message and remembers
-        // one key: small enough to skip the store's writer thread. A steer
-        // takes the running turn's tasks, which is not small.
-        let small = !interrupt && text.len() <= SMALL_SEND_BYTES;
+        // A plain send of a short message publishes it and remembers one
+        // key: small enough to skip the store's writer thread. Its size is
+        // the stored JSON's (escapes make a text longer). A steer takes the
+        // running turn's tasks, which is not small.
+        let small = !interrupt && message.to_string().len() <= SMALL_SEND_BYTES;
         let send = move |tx: &mut dyn StateTx| {
             let Some(flow) = tx.flow()? else {
                 return Ok(Err(SessionError::NoSuchSession(id.clone())));
