@@ -18,9 +18,10 @@ use tokio::time::Instant;
 
 use super::client::{AgentSessionClient, SessionError};
 use super::records::{
-    event_type, AgentEvent, AgentInterrupt, AgentMessage, AgentUsage, ListAgentMessagesRequest,
-    MAX_MESSAGE_PAGE,
+    event_type, message_sequence_key, AgentEvent, AgentInterrupt, AgentMessage, AgentUsage,
+    AGENT_MESSAGES,
 };
+use crate::flow::{MapQuery, RpcError, StoreError};
 
 /// The longest wait a caller may ask for.
 pub const MAX_TURN_WAIT: Duration = Duration::from_secs(300);
@@ -35,6 +36,9 @@ const WAIT_PUSH_FALLBACK: Duration = Duration::from_secs(2);
 
 /// Events one read takes.
 const WAIT_PAGE: usize = 200;
+
+/// A completed turn's messages one read takes.
+const TURN_PAGE: usize = 32;
 
 /// How the wait for a sent message's turn ended.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -253,6 +257,9 @@ impl AgentSessionClient {
     }
 
     /// The messages `turn_id` added after its user message, oldest first.
+    /// Read inline, a page of [`TURN_PAGE`] at a time: a turn adds a few
+    /// messages, and the answer is on the wait's critical path, where a
+    /// hop to a blocking thread and back costs more than the read.
     async fn turn_messages(
         &self,
         session_id: &str,
@@ -262,25 +269,33 @@ impl AgentSessionClient {
         let mut messages = Vec::new();
         let mut after = user_sequence;
         loop {
-            let page = self
-                .list_agent_messages(
+            // One extra row tells whether another page follows.
+            let rows = self
+                .flow_client()
+                .store()
+                .read_map(
                     session_id,
-                    ListAgentMessagesRequest {
-                        after_sequence: Some(after),
-                        limit: MAX_MESSAGE_PAGE,
+                    AGENT_MESSAGES,
+                    MapQuery {
+                        after: Some(message_sequence_key(after)),
+                        limit: TURN_PAGE + 1,
+                        ..MapQuery::default()
                     },
                 )
-                .await?;
-            let mut ended = page.next_after_sequence.is_none();
-            for message in page.messages {
+                .await
+                .map_err(RpcError::Store)?;
+            let more = rows.len() > TURN_PAGE;
+            for (key, value) in rows.into_iter().take(TURN_PAGE) {
+                let message: AgentMessage = serde_json::from_value(value.value).map_err(|err| {
+                    RpcError::Store(StoreError::Corrupt(format!("message {key}: {err}")))
+                })?;
                 if message.turn_id != turn_id {
-                    ended = true;
-                    break;
+                    return Ok(messages);
                 }
                 after = message.sequence;
                 messages.push(message);
             }
-            if ended {
+            if !more {
                 return Ok(messages);
             }
         }
@@ -381,5 +396,69 @@ mod tests {
             }
             _ => panic!("a given-up message ends the wait"),
         }
+    }
+
+    /// A completed turn's messages come back whole across pages, and stop
+    /// at the next turn's first message or at the end of the session.
+    #[test]
+    fn a_turns_messages_are_read_across_pages_up_to_the_next_turn() {
+        use std::sync::Arc;
+
+        use crate::flow::{FlowClient, FlowStore, Registry};
+        use crate::session::records::MessageRole;
+        use crate::store::sqlite::{SqliteOptions, SqliteStore, Synchronous};
+
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = SqliteStore::open(
+            dir.path().join("store.db"),
+            SqliteOptions {
+                synchronous: Synchronous::Normal,
+            },
+        )
+        .expect("open");
+        let store: Arc<dyn FlowStore> = Arc::new(store);
+        let registry = Arc::new(Registry::new([]).expect("registry"));
+        let sessions = AgentSessionClient::new(FlowClient::new(store.clone(), registry), "Agent");
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async {
+            // Sequence 1 is turn-2's user message; 2..=41 are its answer,
+            // 42 and 43 the next turn's.
+            let turn_of = |sequence: u64| match sequence {
+                1..=41 => "turn-2",
+                _ => "turn-3",
+            };
+            let body: crate::flow::store::RpcBody = Box::new(move |tx| {
+                for sequence in 1..=43_u64 {
+                    let message = AgentMessage {
+                        sequence,
+                        turn_id: turn_of(sequence).to_string(),
+                        role: MessageRole::Assistant,
+                        framework_item: "{}".to_string(),
+                        text: Some(format!("m{sequence}")),
+                    };
+                    let value = serde_json::to_value(&message)
+                        .map_err(|err| RpcError::Rejected(err.to_string()))?;
+                    tx.set(AGENT_MESSAGES, &message_sequence_key(sequence), value)?;
+                }
+                Ok(Box::new(()) as Box<dyn std::any::Any + Send>)
+            });
+            store.rpc("s", body).await.expect("messages stored");
+            let sequences = |messages: Vec<AgentMessage>| {
+                messages.iter().map(|m| m.sequence).collect::<Vec<_>>()
+            };
+            let turn = sessions
+                .turn_messages("s", "turn-2", 1)
+                .await
+                .expect("turn-2");
+            assert_eq!(sequences(turn), (2..=41).collect::<Vec<_>>());
+            let last = sessions
+                .turn_messages("s", "turn-3", 41)
+                .await
+                .expect("turn-3");
+            assert_eq!(sequences(last), vec![42, 43]);
+        });
     }
 }
