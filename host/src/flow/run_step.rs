@@ -1,6 +1,6 @@
 //! One Step's run on a worker: its handler under the retry policy's
 //! deadlines, then its commit fenced by the lease, or its failure; and the
-//! flow's next Step when the commit leased it to this worker.
+//! flow's next Steps when the commit leased them to this worker.
 
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::Ordering;
