@@ -448,7 +448,11 @@ impl AgentSessionClient {
         // key: small enough to skip the store's writer thread. Its size is
         // the stored JSON's (escapes make a text longer). A steer takes the
         // running turn's tasks, which is not small.
-        let small = !interrupt && message.to_string().len() <= SMALL_SEND_BYTES;
+        // (The text alone decides first: a longer one is never small, and
+        // is not serialized a second time to learn so.)
+        let small = !interrupt
+            && text.len() <= SMALL_SEND_BYTES
+            && message.to_string().len() <= SMALL_SEND_BYTES;
         let send = move |tx: &mut dyn StateTx| {
             let Some(flow) = tx.flow()? else {
                 return Ok(Err(SessionError::NoSuchSession(id.clone())));

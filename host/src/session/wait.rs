@@ -406,16 +406,10 @@ mod tests {
 
         use crate::flow::{FlowClient, FlowStore, Registry};
         use crate::session::records::MessageRole;
-        use crate::store::sqlite::{SqliteOptions, SqliteStore, Synchronous};
+        use crate::store::sqlite::SqliteStore;
 
         let dir = tempfile::tempdir().expect("tempdir");
-        let store = SqliteStore::open(
-            dir.path().join("store.db"),
-            SqliteOptions {
-                synchronous: Synchronous::Normal,
-            },
-        )
-        .expect("open");
+        let store = SqliteStore::open_normal_for_test(dir.path());
         let store: Arc<dyn FlowStore> = Arc::new(store);
         let registry = Arc::new(Registry::new([]).expect("registry"));
         let sessions = AgentSessionClient::new(FlowClient::new(store.clone(), registry), "Agent");

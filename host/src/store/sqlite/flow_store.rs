@@ -381,8 +381,6 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
-    use crate::store::sqlite::{SqliteOptions, Synchronous};
-
     /// The thread an RPC's body ran on; the body writes a row, as a send
     /// does.
     async fn rpc_thread(store: &SqliteStore, small: bool) -> std::thread::ThreadId {
@@ -409,13 +407,7 @@ mod tests {
     #[test]
     fn a_small_rpc_to_a_quiet_store_runs_on_its_callers_thread() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let store = SqliteStore::open(
-            dir.path().join("store.db"),
-            SqliteOptions {
-                synchronous: Synchronous::Normal,
-            },
-        )
-        .expect("open");
+        let store = SqliteStore::open_normal_for_test(dir.path());
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -426,7 +418,7 @@ mod tests {
                 assert_ne!(rpc_thread(&store, false).await, here);
             }
             let mut here_once = false;
-            for _ in 0..50 {
+            for _ in 0..500 {
                 tokio::time::sleep(Duration::from_millis(2)).await;
                 if rpc_thread(&store, true).await == here {
                     here_once = true;

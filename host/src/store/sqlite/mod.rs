@@ -181,6 +181,19 @@ impl SqliteStore {
         &self.inner.path
     }
 
+    /// Test support: a store in `dir` with `synchronous=NORMAL`, where small
+    /// writes may run on their caller's thread.
+    #[cfg(test)]
+    pub(crate) fn open_normal_for_test(dir: &Path) -> Self {
+        Self::open(
+            dir.join("store.db"),
+            SqliteOptions {
+                synchronous: Synchronous::Normal,
+            },
+        )
+        .unwrap_or_else(|err| panic!("cannot open a test store: {err}"))
+    }
+
     /// Runs `work` in the writer's transaction and returns once it committed.
     /// `kind` says whether it can make a task ready and whether it is small.
     async fn write_job<T, E, F>(&self, kind: WriteKind, work: F) -> Result<T, E>
