@@ -11,6 +11,7 @@
 //! nothing: a waiter that goes away (a client that disconnects) leaves the
 //! turn running.
 
+use std::future::Future;
 use std::time::Duration;
 
 use serde::Serialize;
@@ -153,6 +154,27 @@ fn follow(message_id: &str, followed: &mut Followed, event: &AgentEvent) -> Seen
     }
 }
 
+/// Whether a page took the waiter to the stream's head, so that it waits
+/// for the next append's signal (armed before the read) rather than
+/// reading again. `after` is the sequence of the page's last readable
+/// event, `read` how many it had, `next` the sequence the stream's next
+/// append gets, as the page saw it.
+///
+/// A page that reached the head needs no second read to be sure: every
+/// append after it wakes the waiter. A page of only unreadable events is
+/// stepped over (`after` moves to the head). Otherwise (a full page, or
+/// unreadable events at its end) the waiter reads on at once.
+fn caught_up(after: &mut i64, read: usize, next: i64) -> bool {
+    let head = next.saturating_sub(1);
+    if *after >= head {
+        return true;
+    }
+    if read == 0 {
+        *after = head;
+    }
+    false
+}
+
 fn error_of(event: &AgentEvent) -> String {
     event
         .data
@@ -180,6 +202,27 @@ impl AgentSessionClient {
         after_seq: i64,
         timeout: Duration,
     ) -> Result<TurnWait, SessionError> {
+        self.wait_reading(session_id, message_id, after_seq, timeout, |after| {
+            self.read_events(session_id, after, WAIT_PAGE)
+        })
+        .await
+    }
+
+    /// [`Self::wait_for_turn`], reading the events through `read` (a page
+    /// after a sequence, and the stream's next sequence): the test counts
+    /// the reads through it.
+    async fn wait_reading<R, F>(
+        &self,
+        session_id: &str,
+        message_id: &str,
+        after_seq: i64,
+        timeout: Duration,
+        mut read: R,
+    ) -> Result<TurnWait, SessionError>
+    where
+        R: FnMut(i64) -> F,
+        F: Future<Output = Result<(Vec<(i64, AgentEvent)>, i64), SessionError>>,
+    {
         let deadline = Instant::now() + timeout.min(MAX_TURN_WAIT);
         let mut after = after_seq;
         let mut followed = Followed::default();
@@ -197,8 +240,8 @@ impl AgentSessionClient {
                     turn_id: followed.turn_id,
                 });
             }
-            let (page, next) = self.read_events(session_id, after, WAIT_PAGE).await?;
-            let read_all = page.is_empty();
+            let (page, next) = read(after).await?;
+            let read = page.len();
             for (seq, event) in &page {
                 after = *seq;
                 match follow(message_id, &mut followed, event) {
@@ -232,12 +275,7 @@ impl AgentSessionClient {
                     }
                 }
             }
-            // A page of only unreadable events: step over it.
-            if page.is_empty() && next - 1 > after {
-                after = next - 1;
-                continue;
-            }
-            if !read_all {
+            if !caught_up(&mut after, read, next) {
                 continue;
             }
             let now = Instant::now();
@@ -453,6 +491,101 @@ mod tests {
                 .await
                 .expect("turn-3");
             assert_eq!(sequences(last), vec![42, 43]);
+        });
+    }
+
+    /// A page that reached the stream's head is not read again to be
+    /// sure. Each append here wakes the waiter at most twice: at once (the
+    /// appender's own signal) and once more through the store's stream
+    /// watch, which cannot tell this process's appends from another's. So
+    /// N appends cost at most 2N + 1 reads (the first read, then one a
+    /// wake). Reading on until an empty page, as before, cost a second
+    /// read on the first wake of each append: 3N + 1.
+    #[test]
+    fn a_waiter_reads_once_a_wake_not_again_to_confirm_the_head() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::sync::Arc;
+
+        use crate::flow::{FlowClient, FlowStore, Registry};
+        use crate::session::records::AGENT_EVENTS;
+        use crate::store::sqlite::SqliteStore;
+
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = SqliteStore::open_normal_for_test(dir.path());
+        let store: Arc<dyn FlowStore> = Arc::new(store);
+        let registry = Arc::new(Registry::new([]).expect("registry"));
+        let sessions = AgentSessionClient::new(FlowClient::new(store.clone(), registry), "Agent");
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async {
+            // A flow for the events; its Step never runs (no worker).
+            let first = crate::flow::NewTask {
+                step_type: "Step".into(),
+                input: json!({}),
+                wait: None,
+                policy: crate::flow::RetryPolicy::default(),
+                failure_route: None,
+                failure: None,
+                locks: Vec::new(),
+                not_before: 0,
+            };
+            store
+                .create_flow("s", "Agent", first)
+                .await
+                .expect("a flow");
+            let reads = Arc::new(AtomicUsize::new(0));
+            let waiter = {
+                let (sessions, reads) = (sessions.clone(), reads.clone());
+                tokio::spawn(async move {
+                    sessions
+                        .wait_reading("s", "msg-a", 0, Duration::from_secs(30), |after| {
+                            reads.fetch_add(1, Ordering::SeqCst);
+                            sessions.read_events("s", after, WAIT_PAGE)
+                        })
+                        .await
+                })
+            };
+            while reads.load(Ordering::SeqCst) == 0 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            let events = [
+                event(
+                    event_type::TURN_STARTED,
+                    "turn-1",
+                    json!({"sequence": 1, "message_id": "msg-a"}),
+                ),
+                event("step_started", "turn-1", json!({})),
+                event("tool_call_completed", "turn-1", json!({})),
+                event("tool_call_completed", "turn-1", json!({})),
+                event("step_completed", "turn-1", json!({})),
+                event(
+                    event_type::TURN_COMPLETED,
+                    "turn-1",
+                    json!({"message_count": 0}),
+                ),
+            ];
+            let appends = events.len();
+            for event in events {
+                let payload = serde_json::to_value(&event).expect("an event");
+                store
+                    .append_stream("s", AGENT_EVENTS, vec![payload])
+                    .await
+                    .expect("appended");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            let waited = waiter.await.expect("the waiter").expect("a wait");
+            assert!(
+                matches!(&waited, TurnWait::Completed { turn_id, .. } if turn_id == "turn-1"),
+                "{waited:?}"
+            );
+            let reads = reads.load(Ordering::SeqCst);
+            assert!(
+                reads <= 2 * appends + 1,
+                "{reads} reads for {appends} appends: a page at the head was read again"
+            );
         });
     }
 }
