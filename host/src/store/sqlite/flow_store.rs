@@ -7,6 +7,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use tokio::sync::Notify;
 
+use super::small::CommitSize;
 use super::sql::now_millis;
 use super::{
     claims, flows, history, queue, rpc, small, state, streams, tasks, SqliteStore, WriteKind,
@@ -158,7 +159,21 @@ impl FlowStore for SqliteStore {
             .iter()
             .any(|write| matches!(write, StateWrite::Append { .. }))
             .then(|| commit.flow_id.clone());
-        let kind = WriteKind::WAKES.small_if(small::small_commit(&commit));
+        let small = match small::commit_size(&commit) {
+            CommitSize::Small => true,
+            CommitSize::Large => false,
+            // An inline read of at most `rows + 1` keys: cheaper than the
+            // two thread hops a queued write costs. A read that fails
+            // leaves the write to the writer thread, which reports its own
+            // failure if it has one.
+            CommitSize::SmallIfCleared { maps, rows, bytes } => {
+                let flow_id = commit.flow_id.clone();
+                self.read(move |conn, _| state::maps_fit(conn, &flow_id, &maps, rows, bytes))
+                    .await
+                    .unwrap_or(false)
+            }
+        };
+        let kind = WriteKind::WAKES.small_if(small);
         let claimed = self
             .write_as(kind, move |tx, now| {
                 let claim_next = commit.claim_next.clone();

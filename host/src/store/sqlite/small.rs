@@ -7,6 +7,9 @@
 //! like any write under load.
 //!
 //! What a write does beyond its own rows is bounded by them:
+//! - a Step's commit that clears a map (deletes all its keys) is small only
+//!   when the store, just before, found those maps small enough to fit the
+//!   same budget (`state::maps_fit`), so the rows a clear deletes count too;
 //! - appending to a full stream trims its oldest entries, as many bytes as
 //!   were appended (at most [`MAX_BYTES`]);
 //! - a claim, alone or with a commit, reads the inputs and waited messages
@@ -24,18 +27,51 @@ pub(super) const MAX_ROWS: usize = 64;
 /// about 8 per number).
 const MAX_BYTES: usize = 16 << 10;
 
-/// Whether a Step's commit is small. Completing the flow deletes all of its
+/// How small a Step's commit is.
+#[derive(Debug, PartialEq)]
+pub(super) enum CommitSize {
+    /// Small: it may run on its caller's thread.
+    Small,
+    /// Small if the maps it clears hold at most `rows` rows and `bytes`
+    /// bytes of keys and values between them: a clear deletes every key of
+    /// a map, however many, so the store looks before the write (see
+    /// `state::maps_fit`).
+    SmallIfCleared {
+        maps: Vec<String>,
+        rows: usize,
+        bytes: usize,
+    },
+    /// Not small: it queues for the writer thread.
+    Large,
+}
+
+/// How small a Step's commit is. Completing the flow deletes all of its
 /// tasks, however many, so such a commit is never small.
-pub(super) fn small_commit(commit: &StepCommit) -> bool {
-    if commit.complete_flow
-        || commit.writes.len() + commit.next.len() + commit.consumed.len() > MAX_ROWS
-    {
-        return false;
+pub(super) fn commit_size(commit: &StepCommit) -> CommitSize {
+    let rows = commit.writes.len() + commit.next.len() + commit.consumed.len();
+    if commit.complete_flow || rows > MAX_ROWS {
+        return CommitSize::Large;
     }
     let mut budget = Budget(MAX_BYTES);
-    budget.take(commit.history.detail.as_ref().map_or(0, String::len))
-        && commit.writes.iter().all(|write| budget.write(write))
-        && commit.next.iter().all(|task| budget.json(&task.input))
+    let mut maps = Vec::new();
+    let fits = budget.take(commit.history.detail.as_ref().map_or(0, String::len))
+        && commit.writes.iter().all(|write| match write {
+            StateWrite::Clear { name } => {
+                maps.push(name.clone());
+                budget.take(name.len())
+            }
+            write => budget.write(write),
+        })
+        && commit.next.iter().all(|task| budget.json(&task.input));
+    match (fits, maps.is_empty()) {
+        (false, _) => CommitSize::Large,
+        (true, true) => CommitSize::Small,
+        (true, false) => CommitSize::SmallIfCleared {
+            maps,
+            rows: MAX_ROWS - rows,
+            bytes: budget.0,
+        },
+    }
 }
 
 /// Whether payloads appended to a stream are small.
@@ -64,7 +100,7 @@ impl Budget {
                 self.take(name.len() + key.len()) && self.json(value)
             }
             StateWrite::Delete { name, key } => self.take(name.len() + key.len()),
-            // Deletes every key, however many.
+            // Deletes every key, however many: sized by `commit_size`.
             StateWrite::Clear { .. } => false,
             StateWrite::Publish {
                 channel,
@@ -133,5 +169,74 @@ mod tests {
         assert!(!small_payloads(std::slice::from_ref(&deep)));
         // Dropping a 20,000-deep value recurses past a test thread's stack.
         std::mem::forget(deep);
+    }
+
+    fn commit(writes: Vec<StateWrite>) -> StepCommit {
+        StepCommit {
+            task_id: 1,
+            lease_token: 1,
+            flow_id: "f".to_string(),
+            consumed: Vec::new(),
+            writes,
+            next: Vec::new(),
+            complete_flow: false,
+            history: crate::flow::types::StepHistoryEntry {
+                event_type: "execute_completed".to_string(),
+                step_type: "Step".to_string(),
+                step_execution_id: "s".to_string(),
+                final_attempt: 1,
+                at: 0,
+                detail: None,
+                started_at: None,
+                component: None,
+            },
+            claim_next: None,
+        }
+    }
+
+    fn set(key: &str, value: Json) -> StateWrite {
+        StateWrite::Set {
+            name: "m".to_string(),
+            key: key.to_string(),
+            value,
+        }
+    }
+
+    /// A commit that clears maps is small only if those maps fit what its
+    /// other rows and bytes leave of the budget; the store looks at them
+    /// before the write.
+    #[test]
+    fn a_commit_that_clears_a_map_is_small_only_if_the_map_fits_what_is_left() {
+        assert_eq!(
+            commit_size(&commit(vec![set("k", json!(1))])),
+            CommitSize::Small
+        );
+        let clears = commit(vec![
+            set("k", json!("x".repeat(100))),
+            StateWrite::Clear {
+                name: "calls".to_string(),
+            },
+            StateWrite::Clear {
+                name: "asks".to_string(),
+            },
+        ]);
+        assert_eq!(
+            commit_size(&clears),
+            CommitSize::SmallIfCleared {
+                maps: vec!["calls".to_string(), "asks".to_string()],
+                rows: MAX_ROWS - 3,
+                bytes: MAX_BYTES - ("m".len() + "k".len() + 102 + "calls".len() + "asks".len()),
+            }
+        );
+        let mut full = commit(vec![
+            set("k", json!("x".repeat(MAX_BYTES))),
+            StateWrite::Clear {
+                name: "calls".to_string(),
+            },
+        ]);
+        assert_eq!(commit_size(&full), CommitSize::Large);
+        full.writes.remove(0);
+        full.complete_flow = true;
+        assert_eq!(commit_size(&full), CommitSize::Large);
     }
 }

@@ -159,6 +159,38 @@ pub(super) fn publish(
     wake_waiters(conn, flow_id, channel, key)
 }
 
+/// Whether `flow_id`'s maps `names` hold at most `rows` keys and `bytes`
+/// bytes of keys and values between them: what a commit that clears them
+/// deletes (see `small.rs`). Reads at most `rows + 1` keys whatever the
+/// maps hold; a value's size comes from its record, not its bytes.
+pub(super) fn maps_fit(
+    conn: &Connection,
+    flow_id: &str,
+    names: &[String],
+    rows: usize,
+    bytes: usize,
+) -> Result<bool, StoreError> {
+    let (mut rows_left, mut bytes_left) = (rows, bytes);
+    let mut stmt = conn.prepare_cached(
+        "SELECT octet_length(key) + octet_length(value) FROM attributes
+         WHERE flow_id = ?1 AND name = ?2 LIMIT ?3",
+    )?;
+    for name in names {
+        let limit = i64::try_from(rows_left.saturating_add(1)).unwrap_or(i64::MAX);
+        let mut sizes = stmt.query(params![flow_id, name, limit])?;
+        while let Some(row) = sizes.next()? {
+            let size = usize::try_from(row.get::<_, i64>(0)?).unwrap_or(usize::MAX);
+            let (Some(rows), Some(bytes)) =
+                (rows_left.checked_sub(1), bytes_left.checked_sub(size))
+            else {
+                return Ok(false);
+            };
+            (rows_left, bytes_left) = (rows, bytes);
+        }
+    }
+    Ok(true)
+}
+
 pub(super) fn read_map(
     conn: &Connection,
     flow_id: &str,
@@ -264,4 +296,47 @@ pub(super) fn read_state(
         .collect::<Result<Vec<_>, _>>()?;
     tx.finish()?;
     Ok(answers)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn store() -> Connection {
+        let mut conn = Connection::open_in_memory().expect("in memory");
+        super::super::schema::migrate(&mut conn).expect("schema");
+        conn
+    }
+
+    fn put(conn: &Connection, flow: &str, name: &str, keys: usize, value: &str) {
+        for n in 0..keys {
+            set(
+                conn,
+                flow,
+                name,
+                &format!("k{n:03}"),
+                &Json::String(value.to_string()),
+            )
+            .expect("set");
+        }
+    }
+
+    /// What a clear deletes is counted over every map it clears, in rows
+    /// and in bytes of keys and values, and only the flow's own rows.
+    #[test]
+    fn maps_fit_counts_the_rows_and_bytes_of_every_cleared_map() {
+        let conn = store();
+        put(&conn, "f", "calls", 3, "abc");
+        put(&conn, "f", "asks", 2, "abc");
+        put(&conn, "other", "calls", 50, "abc");
+        let maps = ["calls".to_string(), "asks".to_string()];
+        // Five keys of 4 bytes, five values of 5 (JSON quotes included).
+        assert!(maps_fit(&conn, "f", &maps, 5, 45).expect("read"));
+        assert!(!maps_fit(&conn, "f", &maps, 4, 45).expect("read"));
+        assert!(!maps_fit(&conn, "f", &maps, 5, 44).expect("read"));
+        assert!(maps_fit(&conn, "f", &["none".to_string()], 0, 0).expect("read"));
+        // A huge map costs the read `rows + 1` keys, not all of them.
+        put(&conn, "big", "calls", 500, "");
+        assert!(!maps_fit(&conn, "big", &maps, 64, 1 << 20).expect("read"));
+    }
 }
