@@ -499,8 +499,10 @@ mod tests {
     /// appender's own signal) and once more through the store's stream
     /// watch, which cannot tell this process's appends from another's. So
     /// N appends cost at most 2N + 1 reads (the first read, then one a
-    /// wake). Reading on until an empty page, as before, cost a second
-    /// read on the first wake of each append: 3N + 1.
+    /// wake), plus one for the watch's first look at the new flow and one
+    /// for a fallback wake of a stalled machine. Reading on until an empty
+    /// page, as before, cost a second read on the first wake of each
+    /// append: about 3N here (34 or 35 in six runs), against at most 2N + 3 (27).
     #[test]
     fn a_waiter_reads_once_a_wake_not_again_to_confirm_the_head() {
         use std::sync::atomic::{AtomicUsize, Ordering};
@@ -560,6 +562,12 @@ mod tests {
                 event("step_started", "turn-1", json!({})),
                 event("tool_call_completed", "turn-1", json!({})),
                 event("tool_call_completed", "turn-1", json!({})),
+                event("tool_call_completed", "turn-1", json!({})),
+                event("tool_call_completed", "turn-1", json!({})),
+                event("step_completed", "turn-1", json!({})),
+                event("step_started", "turn-1", json!({})),
+                event("message_appended", "turn-1", json!({})),
+                event("message_appended", "turn-1", json!({})),
                 event("step_completed", "turn-1", json!({})),
                 event(
                     event_type::TURN_COMPLETED,
@@ -583,7 +591,7 @@ mod tests {
             );
             let reads = reads.load(Ordering::SeqCst);
             assert!(
-                reads <= 2 * appends + 1,
+                reads <= 2 * appends + 3,
                 "{reads} reads for {appends} appends: a page at the head was read again"
             );
         });

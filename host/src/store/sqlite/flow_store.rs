@@ -162,16 +162,22 @@ impl FlowStore for SqliteStore {
         let small = match small::commit_size(&commit) {
             CommitSize::Small => true,
             CommitSize::Large => false,
-            // An inline read of at most `rows + 1` keys: cheaper than the
-            // two thread hops a queued write costs. A read that fails
-            // leaves the write to the writer thread, which reports its own
-            // failure if it has one.
-            CommitSize::SmallIfCleared { maps, rows, bytes } => {
+            // An inline read of at most `rows + 1` keys, only when the
+            // write could run here at all: two thread hops cost more. A
+            // read that fails leaves the write to the writer thread, which
+            // reports its own failure if it has one.
+            CommitSize::SmallIfCleared { maps, rows, bytes }
+                if self.inner.writer.may_run_here() =>
+            {
                 let flow_id = commit.flow_id.clone();
                 self.read(move |conn, _| state::maps_fit(conn, &flow_id, &maps, rows, bytes))
                     .await
-                    .unwrap_or(false)
+                    .unwrap_or_else(|err| {
+                        tracing::debug!(error = %err, "cannot size the maps a commit clears; it queues");
+                        false
+                    })
             }
+            CommitSize::SmallIfCleared { .. } => false,
         };
         let kind = WriteKind::WAKES.small_if(small);
         let claimed = self

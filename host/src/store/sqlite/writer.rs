@@ -190,6 +190,14 @@ impl Writer {
         }
     }
 
+    /// Whether a small write would try to run on its caller's thread now
+    /// (the store is quiet): a caller that must read before it knows
+    /// whether its write is small skips the read when the write would
+    /// queue anyway.
+    pub(super) fn may_run_here(&self) -> bool {
+        self.inline && self.shared.quiet().is_some()
+    }
+
     /// Queues `job` for the writer thread.
     pub(super) fn queue(&self, job: WriteJob) -> Result<(), String> {
         let jobs = self
