@@ -10,8 +10,8 @@
 //! - a Step's commit that clears a map (deletes all its keys) is small only
 //!   when the store, just before and only if the store is quiet, found
 //!   those maps small enough to fit the same budget (`state::maps_fit`), so
-//!   the rows a clear deletes count too. That look reads up to 65 rows of
-//!   the maps whole, which the Step clearing them has just read too;
+//!   the rows a clear deletes count too. That look reads up to 64 rows (and
+//!   one a map) whole, which the Step clearing them has just read too;
 //! - appending to a full stream trims its oldest entries, as many bytes as
 //!   were appended (at most [`MAX_BYTES`]);
 //! - a claim, alone or with a commit, reads the inputs and waited messages

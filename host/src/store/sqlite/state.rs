@@ -161,12 +161,13 @@ pub(super) fn publish(
 
 /// Whether `flow_id`'s maps `names` hold at most `rows` keys and `bytes`
 /// bytes of keys and values between them: what a commit that clears them
-/// deletes (see `small.rs`). Visits at most `rows + 1` keys of each map
-/// whatever it holds. `attributes` is a WITHOUT ROWID table, so each row
-/// visited is read whole, a large value included (and the row next to an
-/// empty map's place): the read costs what reading those rows costs. The
-/// maps a turn clears are ones its RunModel just read whole on its own
-/// runtime thread, so this is a like cost, not a stall of a new kind.
+/// deletes (see `small.rs`). Visits at most `rows` keys in all, plus one a
+/// map, whatever the maps hold. `attributes` is a WITHOUT ROWID table, so
+/// each row visited is read whole, a large value included (and the row
+/// next to an empty map's place): the read costs what reading those rows
+/// costs. The maps a turn clears are ones its RunModel just read whole on
+/// its own runtime thread, so this is a like cost, not a stall of a new
+/// kind.
 pub(super) fn maps_fit(
     conn: &Connection,
     flow_id: &str,
