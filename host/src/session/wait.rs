@@ -436,21 +436,34 @@ mod tests {
         }
     }
 
+    /// A session client on a `synchronous=NORMAL` SQLite store in `dir`,
+    /// with no flows registered (nothing runs; the tests write what they
+    /// read), and the store itself.
+    fn sessions_on_sqlite(
+        dir: &std::path::Path,
+    ) -> (
+        std::sync::Arc<dyn crate::flow::FlowStore>,
+        AgentSessionClient,
+    ) {
+        use std::sync::Arc;
+
+        use crate::flow::{FlowClient, FlowStore, Registry};
+        use crate::store::sqlite::SqliteStore;
+
+        let store: Arc<dyn FlowStore> = Arc::new(SqliteStore::open_normal_for_test(dir));
+        let registry = Arc::new(Registry::new([]).expect("registry"));
+        let sessions = AgentSessionClient::new(FlowClient::new(store.clone(), registry), "Agent");
+        (store, sessions)
+    }
+
     /// A completed turn's messages come back whole across pages, and stop
     /// at the next turn's first message or at the end of the session.
     #[test]
     fn a_turns_messages_are_read_across_pages_up_to_the_next_turn() {
-        use std::sync::Arc;
-
-        use crate::flow::{FlowClient, FlowStore, Registry};
         use crate::session::records::MessageRole;
-        use crate::store::sqlite::SqliteStore;
 
         let dir = tempfile::tempdir().expect("tempdir");
-        let store = SqliteStore::open_normal_for_test(dir.path());
-        let store: Arc<dyn FlowStore> = Arc::new(store);
-        let registry = Arc::new(Registry::new([]).expect("registry"));
-        let sessions = AgentSessionClient::new(FlowClient::new(store.clone(), registry), "Agent");
+        let (store, sessions) = sessions_on_sqlite(dir.path());
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -508,15 +521,10 @@ mod tests {
         use std::sync::atomic::{AtomicUsize, Ordering};
         use std::sync::Arc;
 
-        use crate::flow::{FlowClient, FlowStore, Registry};
         use crate::session::records::AGENT_EVENTS;
-        use crate::store::sqlite::SqliteStore;
 
         let dir = tempfile::tempdir().expect("tempdir");
-        let store = SqliteStore::open_normal_for_test(dir.path());
-        let store: Arc<dyn FlowStore> = Arc::new(store);
-        let registry = Arc::new(Registry::new([]).expect("registry"));
-        let sessions = AgentSessionClient::new(FlowClient::new(store.clone(), registry), "Agent");
+        let (store, sessions) = sessions_on_sqlite(dir.path());
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()

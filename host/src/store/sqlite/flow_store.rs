@@ -162,7 +162,7 @@ impl FlowStore for SqliteStore {
         let small = match small::commit_size(&commit) {
             CommitSize::Small => true,
             CommitSize::Large => false,
-            // An inline read of at most `rows + 1` keys, only when the
+            // An inline read of at most `rows` keys plus one a map, only when the
             // write could run here at all: two thread hops cost more. A
             // read that fails leaves the write to the writer thread, which
             // reports its own failure if it has one.

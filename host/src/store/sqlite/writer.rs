@@ -216,7 +216,7 @@ impl Writer {
     /// process holds the store's write lock (a runtime thread must not wait
     /// out the busy timeout; the writer thread does).
     fn try_run_here(&self, job: WriteJob) -> Result<bool, WriteJob> {
-        if !self.inline || self.shared.quiet().is_none() {
+        if !self.may_run_here() {
             return Err(job);
         }
         let Ok(conn) = self.shared.conn.try_lock() else {
