@@ -509,13 +509,13 @@ mod tests {
 
     /// A page that reached the stream's head is not read again to be
     /// sure. Each append here wakes the waiter at most twice: at once (the
-    /// appender's own signal) and once more through the store's stream
-    /// watch, which cannot tell this process's appends from another's. So
-    /// N appends cost at most 2N + 1 reads (the first read, then one a
-    /// wake), plus one for the watch's first look at the new flow and one
-    /// for a fallback wake of a stalled machine. Reading on until an empty
-    /// page, as before, cost a second read on the first wake of each
-    /// append: about 3N here (34 or 35 in six runs), against at most 2N + 3 (27).
+    /// appender's own signal) and, when the store's stream watch looks
+    /// between the append's commit and its report, once more. So N appends
+    /// cost at most 2N + 1 reads (the first read, then one a wake), plus
+    /// one for the watch's first look at the new flow and one for a
+    /// fallback wake of a stalled machine. Reading on until an empty page,
+    /// as before, cost a second read on the first wake of each append:
+    /// about 3N here (34 or 35 in six runs), against at most 2N + 3 (27).
     #[test]
     fn a_waiter_reads_once_a_wake_not_again_to_confirm_the_head() {
         use std::sync::atomic::{AtomicUsize, Ordering};

@@ -15,14 +15,26 @@ use tokio::sync::Notify;
 /// Every flow's stream signal in this process.
 #[derive(Debug, Default)]
 pub struct StreamSignals {
-    flows: Mutex<HashMap<String, Weak<Notify>>>,
+    flows: Mutex<HashMap<String, FlowSignal>>,
     /// How many wakes there were, of any flow: a waiter that read it before
     /// it could arm its signal knows it may have missed one.
     generation: AtomicU64,
 }
 
+/// One flow's signal, and the head its last commit in this process left.
+#[derive(Debug)]
+struct FlowSignal {
+    signal: Weak<Notify>,
+    /// The flow's head (a backend's own measure of its streams, which grows
+    /// with every append) as the last commit of this process that appended
+    /// to them saw it inside its transaction; its readers were woken after
+    /// it committed. A watch of other processes' commits that finds the
+    /// head at exactly this value knows there is nothing else to wake for.
+    local_head: Option<i64>,
+}
+
 impl StreamSignals {
-    fn flows(&self) -> MutexGuard<'_, HashMap<String, Weak<Notify>>> {
+    fn flows(&self) -> MutexGuard<'_, HashMap<String, FlowSignal>> {
         match self.flows.lock() {
             Ok(flows) => flows,
             Err(poisoned) => poisoned.into_inner(),
@@ -32,15 +44,19 @@ impl StreamSignals {
     /// The signal of `flow_id`'s streams (shared by its readers).
     pub fn stream(&self, flow_id: &str) -> Arc<Notify> {
         let mut flows = self.flows();
-        if let Some(signal) = flows.get(flow_id).and_then(Weak::upgrade) {
+        if let Some(signal) = flows.get(flow_id).and_then(|flow| flow.signal.upgrade()) {
             return signal;
         }
         // Forget flows nobody reads any more before the map can grow.
         if flows.len() >= 64 && flows.len().is_power_of_two() {
-            flows.retain(|_, signal| signal.strong_count() > 0);
+            flows.retain(|_, flow| flow.signal.strong_count() > 0);
         }
         let signal = Arc::new(Notify::new());
-        flows.insert(flow_id.to_string(), Arc::downgrade(&signal));
+        let flow = FlowSignal {
+            signal: Arc::downgrade(&signal),
+            local_head: None,
+        };
+        flows.insert(flow_id.to_string(), flow);
         signal
     }
 
@@ -57,10 +73,47 @@ impl StreamSignals {
     /// Wakes the readers of `flow_id`'s streams, if any.
     pub fn wake(&self, flow_id: &str) {
         self.bump();
-        let signal = self.flows().get(flow_id).and_then(Weak::upgrade);
+        let signal = self
+            .flows()
+            .get(flow_id)
+            .and_then(|flow| flow.signal.upgrade());
         if let Some(signal) = signal {
             signal.notify_waiters();
         }
+    }
+
+    /// Wakes the readers of `flow_id`'s streams after a commit of this
+    /// process that appended to them and saw their head at `head` inside
+    /// its transaction: a watch that then finds the same head need not
+    /// wake them again (see [`Self::local_head`]).
+    pub fn wake_committed(&self, flow_id: &str, head: i64) {
+        self.bump();
+        let signal = {
+            let mut flows = self.flows();
+            match flows.get_mut(flow_id) {
+                Some(flow) => {
+                    // Set before the wake, under the lock the watch reads
+                    // it with; the last commit to get here wins (an older
+                    // head only costs the watch a wake it could skip).
+                    flow.local_head = Some(head);
+                    flow.signal.upgrade()
+                }
+                None => None,
+            }
+        };
+        if let Some(signal) = signal {
+            signal.notify_waiters();
+        }
+    }
+
+    /// The head the last appending commit of this process saw for
+    /// `flow_id` ([`Self::wake_committed`]), while someone reads it.
+    ///
+    /// A head only grows, so a head read later that equals it holds no
+    /// commit after that one: every commit it holds came before, and the
+    /// readers woken after that commit read them all.
+    pub fn local_head(&self, flow_id: &str) -> Option<i64> {
+        self.flows().get(flow_id).and_then(|flow| flow.local_head)
     }
 
     /// Wakes every reader (a notification may have been missed).
@@ -75,7 +128,7 @@ impl StreamSignals {
     pub fn read(&self) -> Vec<(String, Arc<Notify>)> {
         self.flows()
             .iter()
-            .filter_map(|(flow_id, signal)| signal.upgrade().map(|s| (flow_id.clone(), s)))
+            .filter_map(|(flow_id, flow)| flow.signal.upgrade().map(|s| (flow_id.clone(), s)))
             .collect()
     }
 }

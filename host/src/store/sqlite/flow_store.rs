@@ -154,11 +154,11 @@ impl FlowStore for SqliteStore {
     }
 
     async fn commit_step(&self, commit: StepCommit) -> Result<Vec<ClaimedTask>, StoreError> {
-        let appended = commit
+        let appends = commit
             .writes
             .iter()
-            .any(|write| matches!(write, StateWrite::Append { .. }))
-            .then(|| commit.flow_id.clone());
+            .any(|write| matches!(write, StateWrite::Append { .. }));
+        let flow_id = commit.flow_id.clone();
         let small = match small::commit_size(&commit) {
             CommitSize::Small => true,
             CommitSize::Large => false,
@@ -180,12 +180,15 @@ impl FlowStore for SqliteStore {
             CommitSize::SmallIfCleared { .. } => false,
         };
         let kind = WriteKind::WAKES.small_if(small);
-        let claimed = self
+        let (claimed, head) = self
             .write_as(kind, move |tx, now| {
                 let claim_next = commit.claim_next.clone();
                 let flow_id = commit.flow_id.clone();
                 tasks::commit_step(tx, now, commit)?;
-                match claim_next {
+                let head = appends
+                    .then(|| streams::flow_head(tx, &flow_id))
+                    .transpose()?;
+                let claimed = match claim_next {
                     Some(next) if next.max > 0 => claims::claim(
                         tx,
                         now,
@@ -193,13 +196,14 @@ impl FlowStore for SqliteStore {
                         claims::ClaimScope::Flow(&flow_id),
                         next.max,
                         next.lease_ms,
-                    ),
-                    _ => Ok(Vec::new()),
-                }
+                    )?,
+                    _ => Vec::new(),
+                };
+                Ok((claimed, head))
             })
             .await?;
-        if let Some(flow_id) = appended {
-            self.inner.streams.wake(&flow_id);
+        if let Some(head) = head {
+            self.inner.streams.wake_committed(&flow_id, head);
         }
         Ok(claimed)
     }
@@ -274,13 +278,14 @@ impl FlowStore for SqliteStore {
     ) -> Result<(), StoreError> {
         let (flow, stream) = (flow_id.to_string(), stream.to_string());
         let kind = WriteKind::QUIET.small_if(small::small_payloads(&payloads));
-        self.write_as(kind, move |tx, now| {
-            tasks::record_output(tx, now, task_id, lease_token)?;
-            streams::append_fitting(tx, now, &flow, &stream, &payloads)?;
-            Ok(())
-        })
-        .await?;
-        self.inner.streams.wake(flow_id);
+        let head = self
+            .write_as(kind, move |tx, now| {
+                tasks::record_output(tx, now, task_id, lease_token)?;
+                streams::append_fitting(tx, now, &flow, &stream, &payloads)?;
+                streams::flow_head(tx, &flow)
+            })
+            .await?;
+        self.inner.streams.wake_committed(flow_id, head);
         Ok(())
     }
 
@@ -303,12 +308,13 @@ impl FlowStore for SqliteStore {
     ) -> Result<Vec<i64>, StoreError> {
         let (flow, stream) = (flow_id.to_string(), stream.to_string());
         let kind = WriteKind::QUIET.small_if(small::small_payloads(&payloads));
-        let seqs = self
+        let (seqs, head) = self
             .write_as(kind, move |tx, now| {
-                streams::append_stream(tx, now, &flow, &stream, &payloads)
+                let seqs = streams::append_stream(tx, now, &flow, &stream, &payloads)?;
+                Ok((seqs, streams::flow_head(tx, &flow)?))
             })
             .await?;
-        self.inner.streams.wake(flow_id);
+        self.inner.streams.wake_committed(flow_id, head);
         Ok(seqs)
     }
 
@@ -384,11 +390,19 @@ impl SqliteStore {
         body: RpcBody,
     ) -> Result<Box<dyn Any + Send>, RpcError> {
         let flow = flow_id.to_string();
-        let (value, wakes) = self
-            .write_job(kind, move |conn, now| rpc::run(conn, flow, now, body))
+        let (value, wakes, head) = self
+            .write_job(kind, move |conn, now| {
+                let (value, wakes) = rpc::run(conn, flow.clone(), now, body)?;
+                let head = if wakes.appended {
+                    Some(streams::flow_head(conn, &flow)?)
+                } else {
+                    None
+                };
+                Ok::<_, RpcError>((value, wakes, head))
+            })
             .await?;
-        if wakes.appended {
-            self.inner.streams.wake(flow_id);
+        if let Some(head) = head {
+            self.inner.streams.wake_committed(flow_id, head);
         }
         if wakes.took {
             self.inner.revocations.wake(flow_id);

@@ -8,6 +8,12 @@
 //! such commit and kind, and only while someone waits: not a wake of every
 //! waiter on every commit.
 //!
+//! A head that moved to exactly the head this process's own last appending
+//! commit saw (`StreamSignals::local_head`) wakes nobody: that commit woke
+//! its readers itself, after every commit the head holds. Without this
+//! check each append of this process would wake its readers twice, and a
+//! waiter reads on every wake.
+//!
 //! Its own thread, not the writer's: the read never holds up a write, a
 //! writer waiting for the lock does not hold up the readers, and an append
 //! whose caller went away before it could wake them (a Step aborted at its
@@ -37,10 +43,10 @@ pub(super) fn spawn_stream_watch(
     std::thread::Builder::new()
         .name("dexa-sqlite-streams".to_string())
         .spawn(move || {
-            let mut heads = StreamHeads::new(HEADS, true);
+            let mut heads = StreamHeads::new(HEADS, true, true);
             // A flow never revoked (no count yet) cannot have been revoked
             // before its Step started waiting; one that was may have been.
-            let mut revoked = StreamHeads::new(REVOCATIONS, false);
+            let mut revoked = StreamHeads::new(REVOCATIONS, false, false);
             loop {
                 std::thread::sleep(WATCH_INTERVAL);
                 let (Some(signals), Some(revocations)) = (signals.upgrade(), revocations.upgrade())
@@ -81,14 +87,19 @@ struct StreamHeads {
     query: &'static str,
     /// Whether a flow first seen at head 0 counts as moved.
     wake_new_at_zero: bool,
+    /// Whether `query` reads the heads this process's commits report to
+    /// the signals (`StreamSignals::wake_committed`), so that a head one of
+    /// them left needs no wake.
+    skip_local: bool,
     heads: HashMap<String, i64>,
 }
 
 impl StreamHeads {
-    fn new(query: &'static str, wake_new_at_zero: bool) -> Self {
+    fn new(query: &'static str, wake_new_at_zero: bool, skip_local: bool) -> Self {
         Self {
             query,
             wake_new_at_zero,
+            skip_local,
             heads: HashMap::new(),
         }
     }
@@ -121,7 +132,11 @@ impl StreamHeads {
                     Some(before) => before != head,
                     None => head != 0 || self.wake_new_at_zero,
                 };
-                if moved {
+                // Read after the head: a commit of this process that lands
+                // in between leaves a head the read did not see, so it
+                // cannot make this look skip a head of another's commit.
+                let woken_here = self.skip_local && signals.local_head(flow_id) == Some(head);
+                if moved && !woken_here {
                     signals.bump();
                     signal.notify_waiters();
                 }
@@ -141,4 +156,115 @@ fn read_heads<'a>(
     let mut statement = conn.prepare_cached(query)?;
     let rows = statement.query_map([list], |row| Ok((row.get(0)?, row.get(1)?)))?;
     rows.collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::flow::{FlowStore, NewTask, RetryPolicy};
+    use crate::store::sqlite::SqliteStore;
+    use serde_json::json;
+
+    /// Each look of the watch (by hand, not on its thread), and how many
+    /// flows it woke.
+    fn look(heads: &mut StreamHeads, conn: &Connection, signals: &StreamSignals) -> u64 {
+        let before = signals.generation();
+        heads.wake_moved(conn, signals);
+        signals.generation() - before
+    }
+
+    async fn append(store: &SqliteStore, n: i64) {
+        store
+            .append_stream("f", "events", vec![json!(n)])
+            .await
+            .unwrap_or_else(|err| panic!("append {n}: {err}"));
+    }
+
+    /// The readers of a flow are woken once for an append of this process
+    /// (by its commit) and once for another process's (by the watch),
+    /// whatever the order of the two between the watch's looks: a head an
+    /// append of this process left is skipped, one past it is not.
+    #[test]
+    fn the_watch_wakes_readers_for_another_processs_append_not_again_for_this_ones() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let here = SqliteStore::open_normal_for_test(dir.path());
+        // Another process: a store of its own on the same file, whose
+        // commits this process's signals know nothing of.
+        let other = SqliteStore::open_normal_for_test(dir.path());
+        let conn = super::super::connection::connect(
+            &dir.path().join("store.db"),
+            &super::super::SqliteOptions::default(),
+        )
+        .expect("the watch's connection");
+        let signals = here.inner.streams.clone();
+        let _reader = signals.stream("f");
+        let mut heads = StreamHeads::new(HEADS, true, true);
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async {
+            let first = NewTask {
+                step_type: "Step".into(),
+                input: json!({}),
+                wait: None,
+                policy: RetryPolicy::default(),
+                failure_route: None,
+                failure: None,
+                locks: Vec::new(),
+                not_before: 0,
+            };
+            here.create_flow("f", "Agent", first).await.expect("a flow");
+            assert_eq!(
+                look(&mut heads, &conn, &signals),
+                1,
+                "a flow not looked at before"
+            );
+            assert_eq!(look(&mut heads, &conn, &signals), 0, "nothing new");
+
+            append(&here, 1).await;
+            assert_eq!(
+                look(&mut heads, &conn, &signals),
+                0,
+                "this process's append woke them"
+            );
+
+            append(&other, 2).await;
+            assert_eq!(
+                look(&mut heads, &conn, &signals),
+                1,
+                "another process's append"
+            );
+
+            append(&here, 3).await;
+            append(&other, 4).await;
+            assert_eq!(
+                look(&mut heads, &conn, &signals),
+                1,
+                "another process's append after this process's"
+            );
+
+            append(&other, 5).await;
+            append(&here, 6).await;
+            assert_eq!(
+                look(&mut heads, &conn, &signals),
+                0,
+                "this process's append after another's woke them after both"
+            );
+
+            // A commit of this process that appended and was never
+            // reported (its caller went away before it could wake): the
+            // head moved past what the signals know.
+            here.write_quietly(|tx, now| {
+                super::super::streams::append_stream(tx, now, "f", "events", &[json!(7)])
+            })
+            .await
+            .expect("an unreported append");
+            assert_eq!(
+                look(&mut heads, &conn, &signals),
+                1,
+                "an append nobody reported"
+            );
+        });
+    }
 }

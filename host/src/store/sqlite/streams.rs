@@ -161,6 +161,18 @@ fn append(
     Ok(seqs)
 }
 
+/// The flow's head: the sum of its streams' next sequence numbers, as the
+/// stream watch reads it (`stream_watch::HEADS`). It grows with every
+/// append to any of them and never shrinks (no stream row is deleted).
+pub(super) fn flow_head(conn: &Connection, flow_id: &str) -> Result<i64, StoreError> {
+    Ok(cached_query_row(
+        conn,
+        "SELECT COALESCE(SUM(next_seq), 0) FROM streams WHERE flow_id = ?1",
+        params![flow_id],
+        |row| row.get(0),
+    )?)
+}
+
 pub(super) fn set_stream_capacity(
     conn: &Connection,
     flow_id: &str,
