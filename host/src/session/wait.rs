@@ -508,14 +508,17 @@ mod tests {
     }
 
     /// A page that reached the stream's head is not read again to be
-    /// sure. Each append here wakes the waiter at most twice: at once (the
-    /// appender's own signal) and, when the store's stream watch looks
-    /// between the append's commit and its report, once more. So N appends
-    /// cost at most 2N + 1 reads (the first read, then one a wake), plus
-    /// one for the watch's first look at the new flow and one for a
-    /// fallback wake of a stalled machine. Reading on until an empty page,
-    /// as before, cost a second read on the first wake of each append:
-    /// about 3N here (34 or 35 in six runs), against at most 2N + 3 (27).
+    /// sure, and the store's stream watch does not wake the waiter again
+    /// for this process's own appends. Each append wakes the waiter once
+    /// (the appender's own signal), so N appends cost N + 1 reads (13 here
+    /// in each of four runs). The bound leaves room for five more: the
+    /// watch's first look at the new flow, a fallback wake of a stalled
+    /// machine, and a few looks of the watch that land between an append's
+    /// commit and its report on a loaded one. Before, the watch woke the
+    /// waiter for each append too (2N + 1, 24 here); a watch that forgot
+    /// the reported head whenever the waiter let go of its signal between
+    /// reads woke it for most (19); and reading on until an empty page cost
+    /// a further read a wake (34 or 35).
     #[test]
     fn a_waiter_reads_once_a_wake_not_again_to_confirm_the_head() {
         use std::sync::atomic::{AtomicUsize, Ordering};
@@ -599,8 +602,8 @@ mod tests {
             );
             let reads = reads.load(Ordering::SeqCst);
             assert!(
-                reads <= 2 * appends + 3,
-                "{reads} reads for {appends} appends: a page at the head was read again"
+                reads <= appends + 5,
+                "{reads} reads for {appends} appends: a page at the head was read again, or the watch woke the waiter for this process's appends"
             );
         });
     }

@@ -52,11 +52,19 @@ impl StreamSignals {
             flows.retain(|_, flow| flow.signal.strong_count() > 0);
         }
         let signal = Arc::new(Notify::new());
-        let flow = FlowSignal {
-            signal: Arc::downgrade(&signal),
-            local_head: None,
-        };
-        flows.insert(flow_id.to_string(), flow);
+        match flows.get_mut(flow_id) {
+            // A reader that drops its signal between reads and takes it
+            // again keeps the head its flow's last commit here reported:
+            // a reader that arms after that commit's wake reads after it.
+            Some(flow) => flow.signal = Arc::downgrade(&signal),
+            None => {
+                let flow = FlowSignal {
+                    signal: Arc::downgrade(&signal),
+                    local_head: None,
+                };
+                flows.insert(flow_id.to_string(), flow);
+            }
+        }
         signal
     }
 
@@ -93,9 +101,9 @@ impl StreamSignals {
             match flows.get_mut(flow_id) {
                 Some(flow) => {
                     // Set before the wake, under the lock the watch reads
-                    // it with; the last commit to get here wins (an older
-                    // head only costs the watch a wake it could skip).
-                    flow.local_head = Some(head);
+                    // it with. The highest head reported wins: commits may
+                    // report out of order, and each head only grows.
+                    flow.local_head = Some(flow.local_head.map_or(head, |seen| seen.max(head)));
                     flow.signal.upgrade()
                 }
                 None => None,
@@ -146,5 +154,24 @@ mod tests {
         assert_eq!(signals.read().len(), 1);
         drop((first, second));
         assert!(signals.read().is_empty(), "no reader, no signal");
+    }
+
+    #[test]
+    fn a_flow_keeps_the_highest_head_its_commits_reported_across_readers() {
+        let signals = StreamSignals::default();
+        signals.wake_committed("a", 3);
+        assert_eq!(signals.local_head("a"), None, "nobody reads it");
+        let reader = signals.stream("a");
+        signals.wake_committed("a", 5);
+        signals.wake_committed("a", 4);
+        assert_eq!(
+            signals.local_head("a"),
+            Some(5),
+            "a late report of an older head"
+        );
+        drop(reader);
+        signals.wake_committed("a", 6);
+        let _again = signals.stream("a");
+        assert_eq!(signals.local_head("a"), Some(6), "a reader that came back");
     }
 }

@@ -106,8 +106,10 @@ impl StreamHeads {
 
     /// Wakes the readers of every flow whose streams grew since the last
     /// look; a flow not looked at before counts as grown (a spurious wake
-    /// costs a reader one read, a missed one a wait).
-    fn wake_moved(&mut self, conn: &Connection, signals: &StreamSignals) {
+    /// costs a reader one read, a missed one a wait). Returns how many
+    /// flows it woke.
+    fn wake_moved(&mut self, conn: &Connection, signals: &StreamSignals) -> usize {
+        let mut woken = 0;
         let live = signals.read();
         let reading: HashSet<&str> = live.iter().map(|(flow_id, _)| flow_id.as_str()).collect();
         self.heads
@@ -122,6 +124,7 @@ impl StreamHeads {
                     for (_, signal) in chunk {
                         signal.notify_waiters();
                     }
+                    woken += chunk.len();
                     continue;
                 }
             };
@@ -139,9 +142,11 @@ impl StreamHeads {
                 if moved && !woken_here {
                     signals.bump();
                     signal.notify_waiters();
+                    woken += 1;
                 }
             }
         }
+        woken
     }
 }
 
@@ -165,12 +170,11 @@ mod tests {
     use crate::store::sqlite::SqliteStore;
     use serde_json::json;
 
-    /// Each look of the watch (by hand, not on its thread), and how many
-    /// flows it woke.
-    fn look(heads: &mut StreamHeads, conn: &Connection, signals: &StreamSignals) -> u64 {
-        let before = signals.generation();
-        heads.wake_moved(conn, signals);
-        signals.generation() - before
+    /// A look of the watch (by hand, not on its thread: the stores' own
+    /// watches run too, and may wake the same readers), and how many flows
+    /// it woke.
+    fn look(heads: &mut StreamHeads, conn: &Connection, signals: &StreamSignals) -> usize {
+        heads.wake_moved(conn, signals)
     }
 
     async fn append(store: &SqliteStore, n: i64) {
@@ -197,7 +201,7 @@ mod tests {
         )
         .expect("the watch's connection");
         let signals = here.inner.streams.clone();
-        let _reader = signals.stream("f");
+        let mut reader = signals.stream("f");
         let mut heads = StreamHeads::new(HEADS, true, true);
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -252,11 +256,39 @@ mod tests {
                 "this process's append after another's woke them after both"
             );
 
+            // A reader that lets go of its signal between two reads (as a
+            // waiter does after each) and takes it again.
+            drop(reader);
+            append(&here, 7).await;
+            reader = signals.stream("f");
+            assert_eq!(
+                look(&mut heads, &conn, &signals),
+                0,
+                "a reader that took its signal again after this process's append"
+            );
+
+            // An RPC that appends (a send queues its message so).
+            here.rpc(
+                "f",
+                Box::new(|tx| {
+                    tx.append("events", json!(8))?;
+                    Ok(Box::new(()) as Box<dyn std::any::Any + Send>)
+                }),
+            )
+            .await
+            .map_err(|err| format!("{err:?}"))
+            .expect("an appending RPC");
+            assert_eq!(
+                look(&mut heads, &conn, &signals),
+                0,
+                "an RPC of this process"
+            );
+
             // A commit of this process that appended and was never
             // reported (its caller went away before it could wake): the
             // head moved past what the signals know.
             here.write_quietly(|tx, now| {
-                super::super::streams::append_stream(tx, now, "f", "events", &[json!(7)])
+                super::super::streams::append_stream(tx, now, "f", "events", &[json!(9)])
             })
             .await
             .expect("an unreported append");
@@ -265,6 +297,7 @@ mod tests {
                 1,
                 "an append nobody reported"
             );
+            drop(reader);
         });
     }
 }
