@@ -21,15 +21,17 @@ pub struct StreamSignals {
     generation: AtomicU64,
 }
 
-/// One flow's signal, and the head its last commit in this process left.
+/// One flow's signal, and the highest head its commits in this process
+/// reported.
 #[derive(Debug)]
 struct FlowSignal {
     signal: Weak<Notify>,
     /// The flow's head (a backend's own measure of its streams, which grows
-    /// with every append) as the last commit of this process that appended
-    /// to them saw it inside its transaction; its readers were woken after
-    /// it committed. A watch of other processes' commits that finds the
-    /// head at exactly this value knows there is nothing else to wake for.
+    /// with every append): the highest that a commit of this process that
+    /// appended to them saw inside its transaction, since the flow's entry
+    /// was made; its readers were woken after that commit. A watch of
+    /// other processes' commits that finds the head at exactly this value
+    /// knows there is nothing else to wake for.
     local_head: Option<i64>,
 }
 
@@ -44,27 +46,28 @@ impl StreamSignals {
     /// The signal of `flow_id`'s streams (shared by its readers).
     pub fn stream(&self, flow_id: &str) -> Arc<Notify> {
         let mut flows = self.flows();
-        if let Some(signal) = flows.get(flow_id).and_then(|flow| flow.signal.upgrade()) {
+        if let Some(flow) = flows.get_mut(flow_id) {
+            if let Some(signal) = flow.signal.upgrade() {
+                return signal;
+            }
+            // A reader that drops its signal between reads and takes it
+            // again keeps the head its flow's last commit here reported:
+            // a reader that arms after that commit's wake reads after it.
+            let signal = Arc::new(Notify::new());
+            flow.signal = Arc::downgrade(&signal);
             return signal;
         }
-        // Forget flows nobody reads any more before the map can grow.
+        // Forget flows nobody reads any more before the map can grow (not
+        // on a reader's return, which would forget its flow's head).
         if flows.len() >= 64 && flows.len().is_power_of_two() {
             flows.retain(|_, flow| flow.signal.strong_count() > 0);
         }
         let signal = Arc::new(Notify::new());
-        match flows.get_mut(flow_id) {
-            // A reader that drops its signal between reads and takes it
-            // again keeps the head its flow's last commit here reported:
-            // a reader that arms after that commit's wake reads after it.
-            Some(flow) => flow.signal = Arc::downgrade(&signal),
-            None => {
-                let flow = FlowSignal {
-                    signal: Arc::downgrade(&signal),
-                    local_head: None,
-                };
-                flows.insert(flow_id.to_string(), flow);
-            }
-        }
+        let flow = FlowSignal {
+            signal: Arc::downgrade(&signal),
+            local_head: None,
+        };
+        flows.insert(flow_id.to_string(), flow);
         signal
     }
 
@@ -114,8 +117,9 @@ impl StreamSignals {
         }
     }
 
-    /// The head the last appending commit of this process saw for
-    /// `flow_id` ([`Self::wake_committed`]), while someone reads it.
+    /// The highest head an appending commit of this process reported for
+    /// `flow_id` ([`Self::wake_committed`]) since its entry was made (by
+    /// its first reader; an entry lives until pruned with no reader).
     ///
     /// A head only grows, so a head read later that equals it holds no
     /// commit after that one: every commit it holds came before, and the
@@ -171,7 +175,11 @@ mod tests {
         );
         drop(reader);
         signals.wake_committed("a", 6);
+        // 63 more flows, read: 64 entries, the size at which a new flow's
+        // entry first prunes those nobody reads.
+        let others: Vec<_> = (0..63).map(|n| signals.stream(&format!("b{n}"))).collect();
         let _again = signals.stream("a");
         assert_eq!(signals.local_head("a"), Some(6), "a reader that came back");
+        drop(others);
     }
 }

@@ -258,13 +258,16 @@ mod tests {
 
             // A reader that lets go of its signal between two reads (as a
             // waiter does after each) and takes it again.
+            // The watch looks while nobody reads, and forgets the flow.
             drop(reader);
             append(&here, 7).await;
+            assert_eq!(look(&mut heads, &conn, &signals), 0, "nobody reads it");
             reader = signals.stream("f");
             assert_eq!(
                 look(&mut heads, &conn, &signals),
                 0,
-                "a reader that took its signal again after this process's append"
+                "a reader that took its signal again after this process's append, \
+                 at the watch's first look at the flow since"
             );
 
             // An RPC that appends (a send queues its message so).
