@@ -485,6 +485,47 @@ async fn steers_gather_on_a_pending_cancel_up_to_a_cap_and_none_is_lost() {
     assert_eq!(snapshot.queued_message_count, 0);
 }
 
+/// A cancel that names a turn leaves the next one alone: a cancel meant for
+/// a turn that ended (sent late, or a retry) does not use up the queued
+/// message the next turn runs.
+async fn a_cancel_that_names_an_ended_turn_leaves_the_next_turn_alone() {
+    let mut stack = stack(
+        json!([
+            {"steps": [{"text": "first"}]},
+            {"steps": [{"gate": "model", "text": "second"}]}
+        ]),
+        &[],
+    );
+    start(&mut stack);
+    let sessions = stack.sessions(AGENT);
+    sessions.start_session("s1", "go").await.unwrap();
+    wait_for_turns(&sessions, "s1", 1).await;
+    assert!(sessions.send_user_message("s1", "next").await.unwrap());
+    stack.gate("model").wait_until_reached().await;
+    assert_eq!(
+        sessions.cancel_named_turn("s1", "turn-1").await.unwrap(),
+        CancelOutcome::NotThatTurn {
+            running: "turn-2".into()
+        }
+    );
+    assert!(
+        events_of(&sessions, event_type::TURN_CANCEL_REQUESTED)
+            .await
+            .is_empty(),
+        "nothing was cancelled"
+    );
+    stack.gate("model").release();
+    let snapshot = wait_for_turns(&sessions, "s1", 2).await;
+    assert_eq!(
+        texts_of(&snapshot, MessageRole::Assistant),
+        vec!["first", "second"]
+    );
+    assert_eq!(
+        sessions.cancel_named_turn("s1", "turn-2").await.unwrap(),
+        CancelOutcome::NoTurn
+    );
+}
+
 macro_rules! backends {
     ($($test:ident),* $(,)?) => {
         mod sqlite {
@@ -514,4 +555,5 @@ backends!(
     a_cancel_with_a_single_attempt_write_in_flight_records_its_outcome_unknown,
     a_steering_message_starts_the_next_turn_and_no_message_is_lost,
     steers_gather_on_a_pending_cancel_up_to_a_cap_and_none_is_lost,
+    a_cancel_that_names_an_ended_turn_leaves_the_next_turn_alone,
 );

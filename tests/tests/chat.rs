@@ -21,9 +21,15 @@ struct Terminal {
 impl Terminal {
     /// `stderr` receives what dexa chat prints there (load progress).
     fn start(config: &std::path::Path, stderr: std::fs::File) -> Self {
+        Self::start_with(config, stderr, &[])
+    }
+
+    /// [`Self::start`] with more arguments.
+    fn start_with(config: &std::path::Path, stderr: std::fs::File, more: &[&str]) -> Self {
         let mut child = Command::new(dexa_binary())
             .args(["chat", "Helpdesk", "--config"])
             .arg(config)
+            .args(more)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(stderr)
@@ -212,6 +218,77 @@ async fn ctrl_c_in_chat_cancels_the_running_turn_and_at_the_prompt_leaves() {
         .unwrap()
         .unwrap();
     assert!(status.success(), "dexa chat exited with {status}");
+}
+
+/// Ctrl-C after the message was queued but before its turn started (no
+/// worker yet: a busy one, or a runner still building the turn) cancels the
+/// turn when it starts, rather than returning to the prompt while the turn
+/// runs unseen.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ctrl_c_in_chat_before_the_turn_starts_cancels_it_when_it_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = helpdesk_config(
+        dir.path(),
+        &json!({"turns": [
+            {"steps": [{"text": "too late", "sleep_ms": 30000}]},
+            {"steps": [{"text": "Back again."}]}
+        ]}),
+    );
+    let progress = dir.path().join("chat-stderr.txt");
+    let mut terminal = Terminal::start_with(
+        &config,
+        std::fs::File::create(&progress).unwrap(),
+        &["--no-worker"],
+    );
+    let opened = terminal.expect("you> ").await;
+    let id = opened
+        .split_whitespace()
+        .find(|word| word.starts_with("chat-helpdesk-"))
+        .expect("the session's id")
+        .to_string();
+    terminal.type_line("think for a long time").await;
+    // Queued: chat follows a turn that no worker has started.
+    let mut queued = false;
+    for _ in 0..600 {
+        let (_, shown, _) = dexa_session(&config, &["show", &id, "--json"]).await;
+        let shown: Value = serde_json::from_str(&shown).unwrap_or(Value::Null);
+        if shown["queued_message_count"] == 1 {
+            queued = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(queued, "the message was queued");
+    terminal.interrupt();
+    terminal
+        .expect("[cancelling the turn when it starts]")
+        .await;
+    let mut worker = Command::new(dexa_binary())
+        .args(["worker", "--config"])
+        .arg(&config)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    terminal.expect("[cancelling the turn]").await;
+    terminal.expect("[the turn was cancelled]").await;
+    terminal.expect("you> ").await;
+    assert!(
+        !terminal.seen.contains("too late"),
+        "the model call was stopped: {}",
+        terminal.seen
+    );
+    terminal.type_line("hello").await;
+    terminal.expect("agent> Back again.").await;
+    terminal.expect("you> ").await;
+    terminal.interrupt();
+    let status = tokio::time::timeout(Duration::from_secs(30), terminal.child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success(), "dexa chat exited with {status}");
+    let _ = worker.kill().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -249,7 +249,7 @@ async fn a_sqlite_deployment_copied_to_postgres_carries_on_its_open_sessions() {
 /// wakes a stream reader waiting on the other, through `LISTEN`/`NOTIFY`:
 /// nothing on the reader's side reads the store in between, so no poll can
 /// be what woke it. Likewise a commit that makes work ready wakes the other
-/// side's workers.
+/// side's workers, and a stop the other side's readers of the flow.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_commit_on_one_machine_wakes_waiters_on_another_without_polling() {
     use dexa::flow::{FlowStore, NewTask, RetryPolicy};
@@ -309,7 +309,24 @@ async fn a_commit_on_one_machine_wakes_waiters_on_another_without_polling() {
         .await
         .expect("the workers on the other machine were woken");
     let work_wake = started.elapsed();
-    eprintln!("woken across machines: stream {stream_wake:?}, work {work_wake:?}");
+
+    // A stop appends nothing; the other machine's readers of the flow are
+    // woken all the same (their streams and waits then end).
+    let stopped = signal.notified();
+    tokio::pin!(stopped);
+    stopped.as_mut().enable();
+    let started = Instant::now();
+    assert!(machine_a
+        .stop_flow("s")
+        .await
+        .unwrap_or_else(|err| panic!("{err}")));
+    tokio::time::timeout(Duration::from_secs(5), stopped)
+        .await
+        .expect("the reader on the other machine was woken by the stop");
+    let stop_wake = started.elapsed();
+    eprintln!(
+        "woken across machines: stream {stream_wake:?}, work {work_wake:?}, stop {stop_wake:?}"
+    );
 }
 
 /// The benchmarks that compare backends and scale workers run end to end

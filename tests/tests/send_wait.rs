@@ -280,6 +280,92 @@ async fn dexa_session_send_wait_prints_the_turn_a_worker_in_another_process_ran(
     let _ = worker.kill().await;
 }
 
+/// A stop appends nothing: the waiter learns of it from the session's
+/// status once the stop wakes it, and answers then, not when its wait runs
+/// out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_ends_when_its_session_is_stopped_before_the_turn_ends() {
+    let served = Served::new(json!({"turns": [
+        {"steps": [{"text": "late", "sleep_ms": 30000}]}
+    ]}))
+    .await;
+    served.start("s1").await;
+    let waiting = tokio::spawn(served.send_request("s1", "think", "?wait=25").send());
+    let mut running = false;
+    for _ in 0..500 {
+        if served.snapshot("s1").await["state"]["active_turn_id"] == "turn-1" {
+            running = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(running, "the turn started");
+    let stopped: Value = served
+        .http
+        .post(format!("{}/v1/sessions/s1/stop", served.server.base))
+        .bearer_auth(TEST_TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(stopped, json!({"stopped": true}));
+    let waited = waiting.await.unwrap().unwrap();
+    assert_eq!(waited.status(), StatusCode::OK);
+    let waited: Value = waited.json().await.unwrap();
+    assert_eq!(waited["status"], "session_ended", "{waited}");
+    assert_eq!(waited["session_status"], "stopped", "{waited}");
+    assert_eq!(waited["turn_id"], "turn-1", "{waited}");
+}
+
+/// The same with the stop made by another process (`dexa session stop`),
+/// the wait by a third (`dexa session send --wait`) and the turn on a
+/// worker of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dexa_session_send_wait_ends_when_another_process_stops_the_session() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = helpdesk_config(
+        dir.path(),
+        &json!({"turns": [{"steps": [{"text": "late", "sleep_ms": 30000}]}]}),
+    );
+    let mut worker = Command::new(dexa_binary())
+        .args(["worker", "--config"])
+        .arg(&config)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let (code, _, err) = dexa_session(&config, &["start", "Helpdesk", "--id", "s1"]).await;
+    assert_eq!(code, Some(0), "{err}");
+    let waiting = {
+        let config = config.clone();
+        tokio::spawn(async move {
+            dexa_session(&config, &["send", "s1", "think", "--wait", "60", "--json"]).await
+        })
+    };
+    let mut running = false;
+    for _ in 0..600 {
+        let (_, shown, _) = dexa_session(&config, &["show", "s1", "--json"]).await;
+        let shown: Value = serde_json::from_str(&shown).unwrap_or(Value::Null);
+        if shown["state"]["active_turn_id"] == "turn-1" {
+            running = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(running, "the turn started");
+    let (code, _, err) = dexa_session(&config, &["stop", "s1"]).await;
+    assert_eq!(code, Some(0), "{err}");
+    let (code, out, err) = waiting.await.unwrap();
+    assert_eq!(code, Some(1), "{out} {err}");
+    let answer: Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(answer["status"], "session_ended", "{answer}");
+    assert_eq!(answer["session_status"], "stopped", "{answer}");
+    let _ = worker.kill().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_turn_is_cancelled_and_steered_over_http() {
     let served = Served::new(json!({"turns": [
@@ -326,6 +412,28 @@ async fn a_turn_is_cancelled_and_steered_over_http() {
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    // A cancel that names the turn it meant, sent late, leaves this one.
+    let late: Value = served
+        .http
+        .post(format!(
+            "{}/v1/sessions/s1/turn/cancel?turn_id=turn-1",
+            served.server.base
+        ))
+        .bearer_auth(TEST_TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        late,
+        json!({"cancelled": false, "running_turn_id": "turn-2"})
+    );
+    assert_eq!(
+        served.snapshot("s1").await["state"]["active_turn_id"],
+        "turn-2"
+    );
     let response = served
         .http
         .post(format!(

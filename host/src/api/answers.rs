@@ -119,6 +119,11 @@ pub struct SendAnswer {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schemars(with = "Vec<AgentInterrupt>")]
     pub interrupts: Option<Vec<AgentInterrupt>>,
+    /// Only when session_ended: the session's status (`stopped` or
+    /// `failed`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "String")]
+    pub session_status: Option<String>,
 }
 
 /// How a send's wait ended.
@@ -129,6 +134,8 @@ pub enum WaitStatus {
     Failed,
     Cancelled,
     WaitingForApproval,
+    /// The session was stopped before the turn ended: it never will.
+    SessionEnded,
     Running,
 }
 
@@ -157,6 +164,13 @@ impl SendAnswer {
                 self.interrupts = Some(interrupts);
                 (WaitStatus::WaitingForApproval, Some(turn_id))
             }
+            TurnWait::SessionEnded {
+                turn_id,
+                session_status,
+            } => {
+                self.session_status = Some(session_status);
+                (WaitStatus::SessionEnded, turn_id)
+            }
             TurnWait::Running { turn_id } => (WaitStatus::Running, turn_id),
         };
         self.status = Some(status);
@@ -174,6 +188,11 @@ pub struct TurnCancel {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schemars(with = "String")]
     pub turn_id: Option<String>,
+    /// Only when `?turn_id=` named a turn that is not the one running: the
+    /// one that is (left running).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "String")]
+    pub running_turn_id: Option<String>,
 }
 
 /// `POST /v1/sessions/{id}/interrupts`.

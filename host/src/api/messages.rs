@@ -124,24 +124,46 @@ pub(super) async fn send_message(
     Ok((status, Json(answer.waited(waited))))
 }
 
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct CancelQuery {
+    /// Cancel only if this turn is the one running.
+    #[serde(default)]
+    turn_id: Option<String>,
+}
+
 /// Cancels the running turn (see [`AgentSessionClient::cancel_turn`]):
 /// `{"cancelled": true, "turn_id"}`, or `{"cancelled": false}` when no turn
-/// runs.
+/// runs. With `?turn_id=`, only that turn: another one running is left
+/// alone (`{"cancelled": false, "running_turn_id"}`).
 ///
 /// [`AgentSessionClient::cancel_turn`]: crate::session::AgentSessionClient::cancel_turn
 pub(super) async fn cancel_turn(
     State(state): State<ApiState>,
     Path(session_id): Path<String>,
+    params: Result<Query<CancelQuery>, QueryRejection>,
 ) -> Result<Json<TurnCancel>, ApiError> {
+    let named = query(params)?.turn_id;
     let (sessions, _) = state.session(&session_id).await?;
-    Ok(Json(match sessions.cancel_turn(&session_id).await? {
+    let outcome = match &named {
+        Some(turn_id) => sessions.cancel_named_turn(&session_id, turn_id).await?,
+        None => sessions.cancel_turn(&session_id).await?,
+    };
+    Ok(Json(match outcome {
         CancelOutcome::Cancelled { turn_id } => TurnCancel {
             cancelled: true,
             turn_id: Some(turn_id),
+            running_turn_id: None,
         },
         CancelOutcome::NoTurn => TurnCancel {
             cancelled: false,
             turn_id: None,
+            running_turn_id: None,
+        },
+        CancelOutcome::NotThatTurn { running } => TurnCancel {
+            cancelled: false,
+            turn_id: None,
+            running_turn_id: Some(running),
         },
     }))
 }

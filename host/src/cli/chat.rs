@@ -187,7 +187,7 @@ impl Chat {
             .await?;
         }
         if busy {
-            self.follow_turn().await?;
+            self.follow_turn(None).await?;
         }
         Ok(())
     }
@@ -214,10 +214,10 @@ impl Chat {
             }
             match self
                 .sessions
-                .send_user_message(&self.session_id, line)
+                .send_tracked(&self.session_id, line, None, false)
                 .await
             {
-                Ok(_) => self.follow_turn().await?,
+                Ok(sent) => self.follow_turn(sent.message_id.as_deref()).await?,
                 // Refused before it was queued: say why and keep talking.
                 Err(err @ crate::session::SessionError::MessageTooLarge { .. }) => {
                     println!("dexa: {err}");
@@ -228,10 +228,15 @@ impl Chat {
     }
 
     /// Prints the turn's events until it completes or fails, asking for
-    /// approvals on the way.
-    async fn follow_turn(&mut self) -> anyhow::Result<()> {
+    /// approvals on the way. `message_id` is the sent message's: a Ctrl-C
+    /// before its turn started cancels the turn when it starts.
+    async fn follow_turn(&mut self, message_id: Option<&str>) -> anyhow::Result<()> {
         let mut in_text = false;
         let mut quiet_polls = 0u32;
+        // The turn running, as its events showed it.
+        let mut turn: Option<String> = None;
+        // Ctrl-C came before the message's turn started.
+        let mut cancel_at_start = false;
         loop {
             let (events, _) = self
                 .sessions
@@ -263,9 +268,30 @@ impl Chat {
                             println!();
                             in_text = false;
                         }
-                        match self.sessions.cancel_turn(&self.session_id).await? {
+                        // The turn shown, not one that started after it
+                        // ended (which a queued message of another client
+                        // would start).
+                        let outcome = match &turn {
+                            Some(turn) => {
+                                self.sessions
+                                    .cancel_named_turn(&self.session_id, turn)
+                                    .await?
+                            }
+                            None => self.sessions.cancel_turn(&self.session_id).await?,
+                        };
+                        match outcome {
                             CancelOutcome::Cancelled { .. } => println!("  [cancelling the turn]"),
-                            CancelOutcome::NoTurn => return Ok(()),
+                            // Queued, not started yet (a busy worker, or the
+                            // runner still building it): cancelled when it
+                            // starts, rather than left to run unseen.
+                            CancelOutcome::NoTurn if turn.is_none() && message_id.is_some() => {
+                                cancel_at_start = true;
+                                println!("  [cancelling the turn when it starts]");
+                            }
+                            // Nothing of this chat's to wait for.
+                            CancelOutcome::NoTurn if turn.is_none() => return Ok(()),
+                            // It ended meanwhile; its end event follows.
+                            CancelOutcome::NoTurn | CancelOutcome::NotThatTurn { .. } => {}
                         }
                     }
                 }
@@ -277,6 +303,20 @@ impl Chat {
                 let data = &event.data;
                 let field = |name: &str| data[name].as_str().unwrap_or("?").to_string();
                 match event.event_type.as_str() {
+                    event_type::TURN_STARTED if event.origin.is_none() => {
+                        turn = Some(event.turn_id.clone());
+                        let ours = data["message_id"].as_str() == message_id;
+                        if cancel_at_start && ours {
+                            cancel_at_start = false;
+                            if let CancelOutcome::Cancelled { .. } = self
+                                .sessions
+                                .cancel_named_turn(&self.session_id, &event.turn_id)
+                                .await?
+                            {
+                                println!("  [cancelling the turn]");
+                            }
+                        }
+                    }
                     event_type::TEXT_DELTA => {
                         if !in_text {
                             out(&format!("{}> ", "agent"));

@@ -64,8 +64,9 @@ pub enum SessionCommand {
         idempotency_key: Option<String>,
         /// Wait up to SECONDS (at most 300) for the turn the message starts
         /// and print its new messages. Exits 0 when the turn completed, 1
-        /// when it failed, 2 when it still runs or waits for an approval
-        /// (the turn goes on either way).
+        /// when it failed, was cancelled or the session was stopped, 2 when
+        /// it still runs or waits for an approval (the turn goes on either
+        /// way).
         #[arg(long, value_name = "SECONDS")]
         wait: Option<u64>,
         /// Steer: cancel the running turn and start the next one with this
@@ -76,7 +77,13 @@ pub enum SessionCommand {
     /// Cancel the running turn: its guest calls stop, its unfinished tool
     /// calls are recorded, a note goes into the history; queued messages
     /// stay queued.
-    Cancel { session_id: String },
+    Cancel {
+        session_id: String,
+        /// Only if this turn is the one running (a cancel sent late must
+        /// not cancel the next turn).
+        #[arg(long, value_name = "TURN_ID")]
+        turn: Option<String>,
+    },
     /// Approve a pending tool call (the only one when no id is given).
     Approve {
         session_id: String,
@@ -201,6 +208,13 @@ async fn send(
             print(answer, format!("{turn_id} was cancelled"));
             std::process::exit(1);
         }
+        TurnWait::SessionEnded { session_status, .. } => {
+            print(
+                answer,
+                format!("the session is {session_status}: the turn never ends"),
+            );
+            std::process::exit(1);
+        }
         TurnWait::WaitingForApproval { interrupts, .. } => {
             let ids: Vec<&str> = interrupts.iter().map(|i| i.interrupt_id.as_str()).collect();
             print(
@@ -300,9 +314,13 @@ pub async fn run(args: SessionArgs) -> anyhow::Result<()> {
             };
             send(&sessions, &session_id, &text, send_args, &print).await?;
         }
-        SessionCommand::Cancel { session_id } => {
+        SessionCommand::Cancel { session_id, turn } => {
             let sessions = session_client(&deployment, &session_id).await?;
-            match sessions.cancel_turn(&session_id).await? {
+            let outcome = match &turn {
+                Some(turn) => sessions.cancel_named_turn(&session_id, turn).await?,
+                None => sessions.cancel_turn(&session_id).await?,
+            };
+            match outcome {
                 CancelOutcome::Cancelled { turn_id } => print(
                     json!({"cancelled": true, "turn_id": turn_id}),
                     format!("cancelled {turn_id}"),
@@ -310,6 +328,10 @@ pub async fn run(args: SessionArgs) -> anyhow::Result<()> {
                 CancelOutcome::NoTurn => print(
                     json!({"cancelled": false}),
                     "no turn is running".to_string(),
+                ),
+                CancelOutcome::NotThatTurn { running } => print(
+                    json!({"cancelled": false, "running_turn_id": running}),
+                    format!("{running} is running, not the turn given; nothing was cancelled"),
                 ),
             }
         }

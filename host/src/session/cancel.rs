@@ -22,6 +22,23 @@ pub enum CancelOutcome {
     Cancelled { turn_id: String },
     /// No turn was running.
     NoTurn,
+    /// The turn named was not the one running (it had ended): nothing was
+    /// cancelled. `running` is the turn that runs now.
+    NotThatTurn { running: String },
+}
+
+/// What a cancel finds: the running turn, or why it cancels nothing.
+fn target(
+    tx: &mut dyn StateTx,
+    named: Option<&str>,
+) -> Result<Result<String, CancelOutcome>, RpcError> {
+    Ok(match (active_turn(tx)?, named) {
+        (None, _) => Err(CancelOutcome::NoTurn),
+        (Some(running), Some(named)) if running != named => {
+            Err(CancelOutcome::NotThatTurn { running })
+        }
+        (Some(running), _) => Ok(running),
+    })
 }
 
 fn corrupt(what: &str, err: serde_json::Error) -> RpcError {
@@ -184,19 +201,41 @@ impl AgentSessionClient {
     /// goes into the history and `turn_cancelled` ends it. Queued messages
     /// stay queued. [`CancelOutcome::NoTurn`] when no turn runs.
     pub async fn cancel_turn(&self, session_id: &str) -> Result<CancelOutcome, SessionError> {
+        self.cancel(session_id, None).await
+    }
+
+    /// [`Self::cancel_turn`], only if the running turn is `turn_id`: a
+    /// cancel sent late (a retry, a click on a stale page) must not cancel
+    /// the turn after the one it meant, which would use up a queued
+    /// message. [`CancelOutcome::NotThatTurn`] otherwise.
+    pub async fn cancel_named_turn(
+        &self,
+        session_id: &str,
+        turn_id: &str,
+    ) -> Result<CancelOutcome, SessionError> {
+        self.cancel(session_id, Some(turn_id)).await
+    }
+
+    async fn cancel(
+        &self,
+        session_id: &str,
+        named: Option<&str>,
+    ) -> Result<CancelOutcome, SessionError> {
         // Most repeated cancels (a user pressing again) need no write.
-        if let Some(settled) = self.cancel_settled(session_id).await? {
+        if let Some(settled) = self.cancel_settled(session_id, named).await? {
             return Ok(settled);
         }
         let registry = self.flow_client().registry().clone();
         let id = session_id.to_string();
+        let named = named.map(str::to_string);
         self.flow_client()
             .rpc(session_id, move |tx| {
                 if let Err(err) = running(tx, &id)? {
                     return Ok(Err(err));
                 }
-                let Some(turn_id) = active_turn(tx)? else {
-                    return Ok(Ok(CancelOutcome::NoTurn));
+                let turn_id = match target(tx, named.as_deref())? {
+                    Ok(turn_id) => turn_id,
+                    Err(outcome) => return Ok(Ok(outcome)),
                 };
                 if let Err(err) = take_turn(tx, &registry, &turn_id, None)? {
                     return Ok(Err(err.for_session(&id)));
@@ -211,19 +250,21 @@ impl AgentSessionClient {
     async fn cancel_settled(
         &self,
         session_id: &str,
+        named: Option<&str>,
     ) -> Result<Option<CancelOutcome>, SessionError> {
         let id = session_id.to_string();
+        let named = named.map(str::to_string);
         self.flow_client()
             .read_rpc(session_id, move |tx| {
                 if let Err(err) = running(tx, &id)? {
                     return Ok(Err(err));
                 }
-                Ok(Ok(match active_turn(tx)? {
-                    None => Some(CancelOutcome::NoTurn),
-                    Some(turn_id) if cancel_pending(tx, &turn_id)?.is_some() => {
+                Ok(Ok(match target(tx, named.as_deref())? {
+                    Err(outcome) => Some(outcome),
+                    Ok(turn_id) if cancel_pending(tx, &turn_id)?.is_some() => {
                         Some(CancelOutcome::Cancelled { turn_id })
                     }
-                    Some(_) => None,
+                    Ok(_) => None,
                 }))
             })
             .await?

@@ -7,9 +7,11 @@
 //! `turn_started` event that carries the message's id names the turn, and
 //! that turn's `turn_completed`, `turn_failed` or `interrupt_raised` ends
 //! the wait. Only the host's own events count (a guest cannot write these
-//! types, and events a guest wrote are skipped anyway). Waiting changes
-//! nothing: a waiter that goes away (a client that disconnects) leaves the
-//! turn running.
+//! types, and events a guest wrote are skipped anyway). A session that ends
+//! first (a stop, here or in another process) ends the wait too: a stop
+//! appends nothing, so a waiter that finds nothing new looks at the
+//! session's status. Waiting changes nothing: a waiter that goes away (a
+//! client that disconnects) leaves the turn running.
 
 use std::future::Future;
 use std::time::Duration;
@@ -22,7 +24,7 @@ use super::records::{
     event_type, message_sequence_key, AgentEvent, AgentInterrupt, AgentMessage, AgentUsage,
     AGENT_MESSAGES,
 };
-use crate::flow::{MapQuery, RpcError, StoreError};
+use crate::flow::{FlowStatus, MapQuery, RpcError, StoreError};
 
 /// The longest wait a caller may ask for.
 pub const MAX_TURN_WAIT: Duration = Duration::from_secs(300);
@@ -65,17 +67,28 @@ pub enum TurnWait {
         turn_id: String,
         interrupts: Vec<AgentInterrupt>,
     },
+    /// The session ended (it was stopped) before the turn did; the turn
+    /// never ends now. `session_status` is the session's: `stopped`, or
+    /// `failed`.
+    SessionEnded {
+        turn_id: Option<String>,
+        session_status: String,
+    },
     /// The wait ran out: the turn is running, or (no turn id) the message
     /// is still queued behind another turn.
     Running { turn_id: Option<String> },
 }
 
 impl TurnWait {
-    /// Whether the turn reached its end (completed, failed or cancelled).
+    /// Whether the turn reached its end (completed, failed or cancelled),
+    /// or the session did.
     pub fn is_final(&self) -> bool {
         matches!(
             self,
-            TurnWait::Completed { .. } | TurnWait::Failed { .. } | TurnWait::Cancelled { .. }
+            TurnWait::Completed { .. }
+                | TurnWait::Failed { .. }
+                | TurnWait::Cancelled { .. }
+                | TurnWait::SessionEnded { .. }
         )
     }
 }
@@ -226,6 +239,9 @@ impl AgentSessionClient {
         let deadline = Instant::now() + timeout.min(MAX_TURN_WAIT);
         let mut after = after_seq;
         let mut followed = Followed::default();
+        // The session's status once seen ended; the read after that one
+        // saw every event it will ever have.
+        let mut ended: Option<FlowStatus> = None;
         loop {
             // Armed before the read, so that an append between the read and
             // the wait still wakes it.
@@ -278,6 +294,21 @@ impl AgentSessionClient {
             if !caught_up(&mut after, read, next) {
                 continue;
             }
+            if let Some(status) = ended {
+                return Ok(TurnWait::SessionEnded {
+                    turn_id: followed.turn_id,
+                    session_status: status.as_str().to_string(),
+                });
+            }
+            // Nothing new: the wake may have been a stop (which appends
+            // nothing). Read once more after seeing it, since the turn may
+            // have ended between that read and the stop.
+            if read == 0 {
+                ended = self.session_ended(session_id).await?;
+                if ended.is_some() {
+                    continue;
+                }
+            }
             let now = Instant::now();
             if now >= deadline {
                 return Ok(TurnWait::Running {
@@ -292,6 +323,22 @@ impl AgentSessionClient {
                 None => tokio::time::sleep(left.min(WAIT_POLL)).await,
             }
         }
+    }
+
+    /// The session's status when it no longer runs (a session that is gone
+    /// counts as stopped).
+    async fn session_ended(&self, session_id: &str) -> Result<Option<FlowStatus>, SessionError> {
+        let flow = self
+            .flow_client()
+            .store()
+            .flow(session_id)
+            .await
+            .map_err(RpcError::Store)?;
+        Ok(match flow {
+            Some(flow) if flow.status == FlowStatus::Running => None,
+            Some(flow) => Some(flow.status),
+            None => Some(FlowStatus::Stopped),
+        })
     }
 
     /// The messages `turn_id` added after its user message, oldest first.

@@ -12,7 +12,9 @@
 //!   transaction.
 //! - Appends to a flow's streams `NOTIFY` the events channel with the flow
 //!   id; the listener wakes that flow's readers ([`Signals::streams`]), so an
-//!   event stream on one machine sees a commit made on another at once.
+//!   event stream on one machine sees a commit made on another at once. A
+//!   take of a flow's tasks (the revoke channel) wakes them too, since a
+//!   stop appends nothing.
 //! - When the connection breaks (a restart, a failover) it reconnects with
 //!   a growing pause, and wakes the workers once it is back, since a
 //!   notification may have been missed meanwhile.
@@ -231,8 +233,11 @@ async fn run(
                     for flow_id in flows {
                         signals.streams.wake(&flow_id);
                     }
+                    // A take of a flow's tasks may be a stop, which appends
+                    // nothing: its readers look again too.
                     for flow_id in revoked {
                         signals.revocations.wake(&flow_id);
+                        signals.streams.wake(&flow_id);
                     }
                 }
                 // Bounded: a connection that went quiet (half-open TCP) is

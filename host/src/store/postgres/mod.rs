@@ -226,6 +226,8 @@ impl FlowStore for PostgresStore {
         })?;
         if stopped {
             self.inner.signals.revocations.wake(flow_id);
+            // Its event streams and waiters end (a stop appends nothing).
+            self.inner.signals.streams.wake(flow_id);
         }
         Ok(stopped)
     }

@@ -87,6 +87,8 @@ impl FlowStore for SqliteStore {
             .await?;
         if stopped {
             self.inner.revocations.wake(flow_id);
+            // Its event streams and waiters end (a stop appends nothing).
+            self.inner.streams.wake(flow_id);
         }
         Ok(stopped)
     }

@@ -4,9 +4,11 @@
 //! writer), it reads the stream heads of the flows this process's readers
 //! wait on and wakes the readers of those whose heads moved, and likewise
 //! the revocation counts of the flows this process runs Steps of
-//! (`flow_revocations`, moved by a cancel or a stop). One indexed read per
-//! such commit and kind, and only while someone waits: not a wake of every
-//! waiter on every commit.
+//! (`flow_revocations`, moved by a cancel or a stop). A revocation of a
+//! flow someone reads wakes its readers too: a stop appends nothing, and an
+//! event stream or a waiter learns of it only by looking again. One indexed
+//! read per such commit and kind, and only while someone waits: not a wake
+//! of every waiter on every commit.
 //!
 //! A head that moved to exactly the head this process's own last appending
 //! commit saw (`StreamSignals::local_head`) wakes nobody: that commit woke
@@ -47,6 +49,9 @@ pub(super) fn spawn_stream_watch(
             // A flow never revoked (no count yet) cannot have been revoked
             // before its Step started waiting; one that was may have been.
             let mut revoked = StreamHeads::new(REVOCATIONS, false, false);
+            // The same counts, for the flows readers wait on (a stop by
+            // another process ends their streams and waits).
+            let mut stopped = StreamHeads::new(REVOCATIONS, false, false);
             loop {
                 std::thread::sleep(WATCH_INTERVAL);
                 let (Some(signals), Some(revocations)) = (signals.upgrade(), revocations.upgrade())
@@ -58,6 +63,7 @@ pub(super) fn spawn_stream_watch(
                     last_version = version;
                     heads.wake_moved(&conn, &signals);
                     revoked.wake_moved(&conn, &revocations);
+                    stopped.wake_moved(&conn, &signals);
                 }
             }
         })
@@ -301,6 +307,51 @@ mod tests {
                 "an append nobody reported"
             );
             drop(reader);
+        });
+    }
+
+    /// A stop appends nothing: the store's watch wakes the readers of a
+    /// flow another process stopped through its revocation count, so that
+    /// their event streams and waits end at once rather than at a fallback
+    /// (which this test does not have: without the wake it waits 10 s and
+    /// fails).
+    #[test]
+    fn the_watch_wakes_readers_of_a_flow_another_process_stopped() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let here = SqliteStore::open_normal_for_test(dir.path());
+        let other = SqliteStore::open_normal_for_test(dir.path());
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async {
+            let first = NewTask {
+                step_type: "Step".into(),
+                input: json!({}),
+                wait: None,
+                policy: RetryPolicy::default(),
+                failure_route: None,
+                failure: None,
+                locks: Vec::new(),
+                not_before: 0,
+            };
+            here.create_flow("f", "Agent", first).await.expect("a flow");
+            let signal = here.inner.streams.stream("f");
+            // The watch learns the flow's head at another process's append.
+            let appended = signal.notified();
+            tokio::pin!(appended);
+            appended.as_mut().enable();
+            append(&other, 1).await;
+            tokio::time::timeout(Duration::from_secs(10), appended)
+                .await
+                .expect("woken for another process's append");
+            let stopped = signal.notified();
+            tokio::pin!(stopped);
+            stopped.as_mut().enable();
+            assert!(other.stop_flow("f").await.expect("the stop"));
+            tokio::time::timeout(Duration::from_secs(10), stopped)
+                .await
+                .expect("woken for another process's stop");
         });
     }
 }
