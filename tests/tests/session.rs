@@ -2014,6 +2014,49 @@ async fn an_idempotency_key_holds_for_every_store_handle_and_a_bad_key_is_refuse
     ));
 }
 
+/// A keyed send remembers where the session's events stood before it (as
+/// its sender read them), and a replay answers with that: the replay's wait
+/// for the message's turn starts there rather than at the oldest event kept,
+/// so a cheap retry does not read the whole stream.
+async fn a_replay_answers_where_the_first_send_saw_the_events_end() {
+    let stack = SessionStack::new(vec![AgentSpec::scripted("Replays")]).await;
+    let sessions = stack.sessions("Replays");
+    sessions.start_session("s1", "").await.unwrap();
+    let head = sessions.event_head("s1").await.unwrap();
+    let trace = || dexa::telemetry::traces::TurnTrace::new_root();
+    let first = sessions
+        .send_traced("s1", "hello", Some("k1"), false, trace(), Some(head))
+        .await
+        .unwrap();
+    assert_eq!(first.outcome, SendOutcome::Queued);
+    let stored = stack
+        .store
+        .get("s1", IDEMPOTENCY_KEYS, "k1")
+        .await
+        .unwrap()
+        .expect("the key is remembered");
+    assert_eq!(stored.value["events_after"], json!(head));
+    // The replay's own sender read a later head; the first send's stands.
+    let replay = sessions
+        .send_traced("s1", "hello", Some("k1"), false, trace(), Some(i64::MAX))
+        .await
+        .unwrap();
+    assert_eq!(replay.outcome, SendOutcome::Replayed);
+    assert_eq!(replay.message_id, first.message_id);
+    assert_eq!(replay.events_after, Some(head));
+    // A key sent without a head (a send that will not wait) has none.
+    sessions
+        .send_traced("s1", "plain", Some("k2"), false, trace(), None)
+        .await
+        .unwrap();
+    let replay = sessions
+        .send_traced("s1", "plain", Some("k2"), false, trace(), Some(5))
+        .await
+        .unwrap();
+    assert_eq!(replay.outcome, SendOutcome::Replayed);
+    assert_eq!(replay.events_after, None);
+}
+
 async fn a_session_remembers_at_most_its_newest_idempotency_keys() {
     let stack = SessionStack::new(vec![AgentSpec::scripted("ManyKeys")]).await;
     let sessions = stack.sessions("ManyKeys");
@@ -2250,6 +2293,7 @@ backends!(
     a_user_message_at_the_cap_fits_build_user_message_whatever_it_holds,
     an_idempotency_key_holds_for_every_store_handle_and_a_bad_key_is_refused,
     a_session_remembers_at_most_its_newest_idempotency_keys,
+    a_replay_answers_where_the_first_send_saw_the_events_end,
     a_ten_thousand_delta_answer_is_stored_in_a_few_rows,
     a_runner_cannot_report_the_hosts_tool_calls,
     a_failure_note_the_runner_cannot_take_still_ends_the_turn,

@@ -66,7 +66,8 @@ fn wait_duration(wait: f64) -> Result<Duration, ApiError> {
 /// message starts: 200 with the turn's new messages and usage when it
 /// completes (or its error when it fails), 202 with the turn id when it
 /// needs an approval or the wait runs out. A client that goes away does not
-/// cancel the turn. A replayed send waits for the first send's turn.
+/// cancel the turn. A replayed send waits for the first send's turn, from
+/// where the first send saw the session's events end.
 pub(super) async fn send_message(
     State(state): State<ApiState>,
     Path(session_id): Path<String>,
@@ -79,10 +80,12 @@ pub(super) async fn send_message(
     let request = body(payload)?;
     let (sessions, _) = state.session(&session_id).await?;
     // Where the session's events stand before the send: the turn the
-    // message starts comes after.
-    let head = match wait {
-        Some(_) => Some(sessions.event_head(&session_id).await?),
-        None => None,
+    // message starts comes after. Read for a keyed send too, and remembered
+    // with the key, so that a retry that waits starts there (not at the
+    // oldest event kept: a cheap request must not read the whole stream).
+    let head = match (wait, &key) {
+        (None, None) => None,
+        _ => Some(sessions.event_head(&session_id).await?),
     };
     let sent = sessions
         .send_traced(
@@ -91,6 +94,7 @@ pub(super) async fn send_message(
             key.as_deref(),
             request.interrupt,
             TurnTrace::from_headers(&headers),
+            head,
         )
         .await?;
     if sent.outcome == SendOutcome::Blank {
@@ -108,9 +112,10 @@ pub(super) async fn send_message(
         return Ok((StatusCode::ACCEPTED, Json(answer)));
     };
     // A replay's turn may have started before this request: it is looked
-    // for from the oldest event kept.
+    // for after where the first send stood (from the oldest event kept for
+    // a key recorded before dexa remembered that).
     let after = match sent.outcome {
-        SendOutcome::Replayed => 0,
+        SendOutcome::Replayed => sent.events_after.unwrap_or(0),
         _ => head,
     };
     let waited = sessions

@@ -14,6 +14,7 @@ use crate::session::{
     new_session_id, AgentSessionClient, AgentSnapshot, CancelOutcome, ResolveInterruptRequest,
     SendOutcome, TurnWait, MAX_TURN_WAIT,
 };
+use crate::telemetry::traces::TurnTrace;
 
 #[derive(Args, Debug)]
 pub struct SessionArgs {
@@ -148,12 +149,21 @@ async fn send(
             MAX_TURN_WAIT.as_secs()
         );
     }
-    let head = match wait {
-        Some(_) => Some(sessions.event_head(session_id).await?),
-        None => None,
+    // Read for a keyed send too, and remembered with the key: a retry's
+    // wait starts there (see the API's send).
+    let head = match (wait, &idempotency_key) {
+        (None, None) => None,
+        _ => Some(sessions.event_head(session_id).await?),
     };
     let sent = sessions
-        .send_tracked(session_id, text, idempotency_key.as_deref(), interrupt)
+        .send_traced(
+            session_id,
+            text,
+            idempotency_key.as_deref(),
+            interrupt,
+            TurnTrace::new_root(),
+            head,
+        )
         .await?;
     let replayed = sent.outcome == SendOutcome::Replayed;
     let mut answer = match (sent.outcome, &idempotency_key) {
@@ -176,7 +186,11 @@ async fn send(
         print(answer, queued);
         return Ok(());
     };
-    let after = if replayed { 0 } else { head };
+    let after = if replayed {
+        sent.events_after.unwrap_or(0)
+    } else {
+        head
+    };
     let waited = sessions
         .wait_for_turn(session_id, &message_id, after, wait)
         .await?;

@@ -148,6 +148,7 @@ fn remember_idempotency_key(
     key: &str,
     text_sha256: &str,
     message_id: &str,
+    events_after: Option<i64>,
 ) -> Result<(), RpcError> {
     let now = tx.now();
     let newest = tx.read_map(
@@ -167,6 +168,7 @@ fn remember_idempotency_key(
         ordinal,
         text_sha256: text_sha256.to_string(),
         message_id: Some(message_id.to_string()),
+        events_after,
     };
     tx.set(
         IDEMPOTENCY_KEYS,
@@ -402,12 +404,16 @@ impl AgentSessionClient {
             idempotency_key,
             interrupt,
             TurnTrace::new_root(),
+            None,
         )
         .await
     }
 
     /// [`send_tracked`](Self::send_tracked), with the trace of the turn the
-    /// message starts (see [`TurnTrace::from_headers`]).
+    /// message starts (see [`TurnTrace::from_headers`]) and, for a sender
+    /// that will wait for that turn, the session's newest event before the
+    /// send ([`Self::event_head`]): remembered with the idempotency key, so
+    /// that a retry's wait starts there too.
     pub async fn send_traced(
         &self,
         session_id: &str,
@@ -415,6 +421,7 @@ impl AgentSessionClient {
         idempotency_key: Option<&str>,
         interrupt: bool,
         trace: TurnTrace,
+        events_after: Option<i64>,
     ) -> Result<Sent, SessionError> {
         if let Some(key) = idempotency_key {
             check_idempotency_key(key)?;
@@ -425,6 +432,7 @@ impl AgentSessionClient {
                 outcome: SendOutcome::Blank,
                 message_id: None,
                 interrupted: None,
+                events_after: None,
             });
         }
         let message_id = new_session_id("msg");
@@ -471,6 +479,7 @@ impl AgentSessionClient {
                         outcome: SendOutcome::Replayed,
                         message_id: seen.message_id,
                         interrupted: None,
+                        events_after: seen.events_after,
                     }));
                 }
             }
@@ -496,12 +505,13 @@ impl AgentSessionClient {
                 None => tx.publish(QUEUED_USER_MESSAGES, "", message.clone())?,
             }
             if let Some((key, text_sha256)) = &key {
-                remember_idempotency_key(tx, key, text_sha256, &message_id)?;
+                remember_idempotency_key(tx, key, text_sha256, &message_id, events_after)?;
             }
             Ok(Ok(Sent {
                 outcome: SendOutcome::Queued,
                 message_id: Some(message_id.clone()),
                 interrupted: running,
+                events_after: None,
             }))
         };
         let outcome = if small {

@@ -612,6 +612,11 @@ pub struct IdempotencyRecord {
     /// The queued message's id, which a retry is answered with.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message_id: Option<String>,
+    /// The session's newest event before the send, when the sender read it:
+    /// a retry that waits for the message's turn looks for it after this,
+    /// not from the oldest event kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub events_after: Option<i64>,
 }
 
 /// What a send did, with the queued message's id.
@@ -624,6 +629,9 @@ pub struct Sent {
     /// The turn a send with `interrupt` cancelled (its message starts the
     /// next turn); none when none ran, or without `interrupt`.
     pub interrupted: Option<String>,
+    /// For a replay, where the first send saw the session's events end
+    /// (see [`IdempotencyRecord::events_after`]).
+    pub events_after: Option<i64>,
 }
 
 /// What sending a user message did.
