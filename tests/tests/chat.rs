@@ -220,6 +220,53 @@ async fn ctrl_c_in_chat_cancels_the_running_turn_and_at_the_prompt_leaves() {
     assert!(status.success(), "dexa chat exited with {status}");
 }
 
+/// Ctrl-C at an approval question cancels the turn, as it does while the
+/// turn runs: the tool never runs, and the next turn goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ctrl_c_at_an_approval_question_cancels_the_turn() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = helpdesk_config(
+        dir.path(),
+        &json!({"turns": [
+            {"steps": [
+                {"text": "Let me pay that.",
+                 "tool_calls": [{"id": "pay", "name": "log", "arguments": {"name": "pay"}}]},
+                {"text": "Paid."}
+            ]},
+            {"steps": [{"text": "Back again."}]}
+        ]}),
+    );
+    let progress = dir.path().join("chat-stderr.txt");
+    let mut terminal = Terminal::start(&config, std::fs::File::create(&progress).unwrap());
+    let opened = terminal.expect("you> ").await;
+    let id = opened
+        .split_whitespace()
+        .find(|word| word.starts_with("chat-helpdesk-"))
+        .expect("the session's id")
+        .to_string();
+    terminal.type_line("pay invoice 7").await;
+    terminal
+        .expect("approve log {\"name\":\"pay\"}? [y/n] ")
+        .await;
+    terminal.interrupt();
+    terminal.expect("[cancelling the turn]").await;
+    terminal.expect("[the turn was cancelled]").await;
+    terminal.expect("you> ").await;
+    terminal.type_line("hello").await;
+    terminal.expect("agent> Back again.").await;
+    terminal.expect("you> ").await;
+    assert!(
+        !terminal.seen.contains("[tool log started]"),
+        "{}",
+        terminal.seen
+    );
+    let (_, shown, _) = dexa_session(&config, &["show", &id, "--json"]).await;
+    let shown: Value = serde_json::from_str(&shown).unwrap_or(Value::Null);
+    assert_eq!(shown["pending_interrupts"], json!([]), "{shown}");
+    terminal.type_line("/quit").await;
+    terminal.close().await;
+}
+
 /// Ctrl-C after the message was queued but before its turn started (no
 /// worker yet: a busy one, or a runner still building the turn) cancels the
 /// turn when it starts, rather than returning to the prompt while the turn

@@ -179,12 +179,17 @@ impl Chat {
             .is_some_and(|s| s.active_turn_id.is_some())
             || snapshot.queued_message_count > 0;
         for interrupt in snapshot.pending_interrupts {
-            self.ask(
-                &interrupt.interrupt_id,
-                &interrupt.tool_name,
-                &interrupt.arguments,
-            )
-            .await?;
+            let cancelled = self
+                .ask(
+                    &interrupt.turn_id,
+                    &interrupt.interrupt_id,
+                    &interrupt.tool_name,
+                    &interrupt.arguments,
+                )
+                .await?;
+            if cancelled {
+                break;
+            }
         }
         if busy {
             self.follow_turn(None).await?;
@@ -355,8 +360,13 @@ impl Chat {
                             .map(|i| i.arguments);
                         // Already answered elsewhere when it is no longer pending.
                         if let Some(arguments) = arguments {
-                            self.ask(&interrupt_id, &field("tool_name"), &arguments)
-                                .await?;
+                            self.ask(
+                                &event.turn_id,
+                                &interrupt_id,
+                                &field("tool_name"),
+                                &arguments,
+                            )
+                            .await?;
                         }
                     }
                     event_type::TURN_COMPLETED => {
@@ -385,12 +395,38 @@ impl Chat {
         }
     }
 
-    async fn ask(&mut self, interrupt_id: &str, tool: &str, arguments: &str) -> anyhow::Result<()> {
+    /// Asks whether to approve a pending tool call of `turn_id`. Ctrl-C at
+    /// the question cancels that turn (true), as it does while the turn
+    /// runs.
+    async fn ask(
+        &mut self,
+        turn_id: &str,
+        interrupt_id: &str,
+        tool: &str,
+        arguments: &str,
+    ) -> anyhow::Result<bool> {
         loop {
             out(&format!("  approve {tool} {arguments}? [y/n] "));
-            let Some(answer) = self.lines.next_line().await? else {
+            // Reading a line is cancel-safe: nothing typed is lost.
+            let line = tokio::select! {
+                line = self.lines.next_line() => line?,
+                _ = self.interrupts.recv() => {
+                    println!();
+                    let outcome = self
+                        .sessions
+                        .cancel_named_turn(&self.session_id, turn_id)
+                        .await?;
+                    if let CancelOutcome::Cancelled { .. } = outcome {
+                        println!("  [cancelling the turn]");
+                        return Ok(true);
+                    }
+                    println!("  (the turn has ended)");
+                    return Ok(false);
+                }
+            };
+            let Some(answer) = line else {
                 println!("\n  (left unanswered; it stays pending)");
-                return Ok(());
+                return Ok(false);
             };
             let approved = match answer.trim().to_ascii_lowercase().as_str() {
                 "y" | "yes" => true,
@@ -411,7 +447,7 @@ impl Chat {
             if !resolved {
                 println!("  (no longer pending: answered elsewhere or expired)");
             }
-            return Ok(());
+            return Ok(false);
         }
     }
 }
