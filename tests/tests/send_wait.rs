@@ -430,6 +430,20 @@ async fn a_turn_is_cancelled_and_steered_over_http() {
         late,
         json!({"cancelled": false, "running_turn_id": "turn-2"})
     );
+    // An empty turn_id names no turn: a typed 400, nothing cancelled.
+    let empty = served
+        .http
+        .post(format!(
+            "{}/v1/sessions/s1/turn/cancel?turn_id=",
+            served.server.base
+        ))
+        .bearer_auth(TEST_TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(empty.status(), StatusCode::BAD_REQUEST);
+    let empty: Value = empty.json().await.unwrap();
+    assert_eq!(empty["error"]["code"], "bad_request", "{empty}");
     assert_eq!(
         served.snapshot("s1").await["state"]["active_turn_id"],
         "turn-2"

@@ -215,6 +215,54 @@ async fn the_viewer_starts_a_session_shows_live_text_and_approves_a_tool_call() 
     }
 }
 
+/// The page's cancel button names the turn it shows (`?turn_id=`), so a
+/// click on a stale page cannot cancel the turn after it; a click on a live
+/// one cancels the running turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_viewers_cancel_button_cancels_the_turn_it_shows() {
+    let server = ApiServer::helpdesk(json!({"turns": [
+        {"steps": [{"text": "too late", "sleep_ms": 30000}]}
+    ]}))
+    .await;
+    let driver = start_driver().await;
+    let client = browser(&driver).await;
+    let result = async {
+        open_viewer(&client, &server.base).await?;
+        let message = client.wait().for_element(Locator::Id("start-message")).await?;
+        message.send_keys("think for a long time").await?;
+        client.find(Locator::Id("start-button")).await?.click().await?;
+        let shown = wait_for_js(
+            &client,
+            "the cancel button, enabled for the running turn",
+            "const b = document.querySelector('#cancel-button'); return b && !b.disabled ? b.dataset.turn : null;",
+        )
+        .await;
+        assert_eq!(shown, json!("turn-1"));
+        client
+            .execute("document.querySelector('#cancel-button').click(); return true;", vec![])
+            .await?;
+        let session_id = client.current_url().await?.fragment().unwrap_or_default().trim_start_matches("/s/").to_string();
+        let sessions = server.deployment.sessions("Helpdesk").unwrap();
+        let mut cancelled = false;
+        for _ in 0..600 {
+            let (events, _) = sessions.read_events(&session_id, 0, 1000).await.unwrap();
+            if events.iter().any(|(_, e)| e.event_type == "turn_cancelled" && e.turn_id == "turn-1") {
+                cancelled = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(cancelled, "the click cancelled turn-1");
+        wait_for_js(&client, "the button disabled once no turn runs", "return document.querySelector('#cancel-button').disabled;").await;
+        Ok::<(), fantoccini::error::CmdError>(())
+    }
+    .await;
+    let _ = client.close().await;
+    if let Err(err) = result {
+        panic!("browser: {err}");
+    }
+}
+
 /// Markup and script that must show up as text, never run or become DOM.
 const IMG: &str = r#"<img src=x onerror="window.__pwned=1">"#;
 const SCRIPT: &str = "<script>window.__pwned=2</script>";

@@ -149,6 +149,11 @@ pub(super) async fn cancel_turn(
     params: Result<Query<CancelQuery>, QueryRejection>,
 ) -> Result<Json<TurnCancel>, ApiError> {
     let named = query(params)?.turn_id;
+    if named.as_deref().is_some_and(str::is_empty) {
+        return Err(ApiError::bad_request(
+            "turn_id names no turn; leave it out to cancel whichever turn runs",
+        ));
+    }
     let (sessions, _) = state.session(&session_id).await?;
     let outcome = match &named {
         Some(turn_id) => sessions.cancel_named_turn(&session_id, turn_id).await?,
