@@ -270,13 +270,16 @@ async fn ctrl_c_at_an_approval_question_cancels_the_turn() {
 /// Ctrl-C after the message was queued but before its turn started (no
 /// worker yet: a busy one, or a runner still building the turn) cancels the
 /// turn when it starts, rather than returning to the prompt while the turn
-/// runs unseen.
+/// runs unseen. Another client's message queued ahead of it runs its turn
+/// first: that turn is shown, neither cancelled nor taken for the end of
+/// this chat's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ctrl_c_in_chat_before_the_turn_starts_cancels_it_when_it_starts() {
     let dir = tempfile::tempdir().unwrap();
     let config = helpdesk_config(
         dir.path(),
         &json!({"turns": [
+            {"steps": [{"text": "For the other client."}]},
             {"steps": [{"text": "too late", "sleep_ms": 30000}]},
             {"steps": [{"text": "Back again."}]}
         ]}),
@@ -293,19 +296,27 @@ async fn ctrl_c_in_chat_before_the_turn_starts_cancels_it_when_it_starts() {
         .find(|word| word.starts_with("chat-helpdesk-"))
         .expect("the session's id")
         .to_string();
+    let queued = |n: u64| {
+        let (config, id) = (config.clone(), id.clone());
+        async move {
+            for _ in 0..600 {
+                let (_, shown, _) = dexa_session(&config, &["show", &id, "--json"]).await;
+                let shown: Value = serde_json::from_str(&shown).unwrap_or(Value::Null);
+                if shown["queued_message_count"] == n {
+                    return true;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            false
+        }
+    };
+    // Another client's message, ahead of this chat's.
+    let (code, _, err) = dexa_session(&config, &["send", &id, "from elsewhere"]).await;
+    assert_eq!(code, Some(0), "{err}");
+    assert!(queued(1).await, "the other client's message was queued");
     terminal.type_line("think for a long time").await;
     // Queued: chat follows a turn that no worker has started.
-    let mut queued = false;
-    for _ in 0..600 {
-        let (_, shown, _) = dexa_session(&config, &["show", &id, "--json"]).await;
-        let shown: Value = serde_json::from_str(&shown).unwrap_or(Value::Null);
-        if shown["queued_message_count"] == 1 {
-            queued = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(queued, "the message was queued");
+    assert!(queued(2).await, "the message was queued");
     terminal.interrupt();
     terminal
         .expect("[cancelling the turn when it starts]")
@@ -318,6 +329,7 @@ async fn ctrl_c_in_chat_before_the_turn_starts_cancels_it_when_it_starts() {
         .kill_on_drop(true)
         .spawn()
         .unwrap();
+    terminal.expect("agent> For the other client.").await;
     terminal.expect("[cancelling the turn]").await;
     terminal.expect("[the turn was cancelled]").await;
     terminal.expect("you> ").await;
@@ -326,6 +338,9 @@ async fn ctrl_c_in_chat_before_the_turn_starts_cancels_it_when_it_starts() {
         "the model call was stopped: {}",
         terminal.seen
     );
+    let (_, shown, _) = dexa_session(&config, &["show", &id, "--json"]).await;
+    let shown: Value = serde_json::from_str(&shown).unwrap_or(Value::Null);
+    assert_eq!(shown["state"]["turn_count"], 2, "{shown}");
     terminal.type_line("hello").await;
     terminal.expect("agent> Back again.").await;
     terminal.expect("you> ").await;

@@ -319,6 +319,47 @@ async fn a_wait_ends_when_its_session_is_stopped_before_the_turn_ends() {
     assert_eq!(waited["turn_id"], "turn-1", "{waited}");
 }
 
+/// A stopped session keeps its pending approvals, but nobody can answer
+/// them: a wait (here a retry's, which reads the turn's `interrupt_raised`
+/// after the stop) answers session_ended, not waiting_for_approval.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_on_an_approval_of_a_stopped_session_answers_session_ended() {
+    let served = Served::new(json!({"turns": [{"steps": [
+        {"tool_calls": [{"id": "pay", "name": "log", "arguments": {"name": "pay"}}]},
+        {"text": "paid"}
+    ]}]}))
+    .await;
+    served.start("s1").await;
+    let send = || {
+        served
+            .send_request("s1", "pay", "?wait=20")
+            .header("Idempotency-Key", "k1")
+            .send()
+    };
+    let first = send().await.unwrap();
+    assert_eq!(first.status(), StatusCode::ACCEPTED);
+    let first: Value = first.json().await.unwrap();
+    assert_eq!(first["status"], "waiting_for_approval", "{first}");
+    let stopped: Value = served
+        .http
+        .post(format!("{}/v1/sessions/s1/stop", served.server.base))
+        .bearer_auth(TEST_TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(stopped, json!({"stopped": true}));
+    let retry = send().await.unwrap();
+    assert_eq!(retry.status(), StatusCode::OK);
+    let retry: Value = retry.json().await.unwrap();
+    assert_eq!(retry["replayed"], true, "{retry}");
+    assert_eq!(retry["status"], "session_ended", "{retry}");
+    assert_eq!(retry["session_status"], "stopped", "{retry}");
+    assert_eq!(retry["turn_id"], "turn-1", "{retry}");
+}
+
 /// The same with the stop made by another process (`dexa session stop`),
 /// the wait by a third (`dexa session send --wait`) and the turn on a
 /// worker of its own.

@@ -119,8 +119,8 @@ pub struct SendAnswer {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schemars(with = "Vec<AgentInterrupt>")]
     pub interrupts: Option<Vec<AgentInterrupt>>,
-    /// Only when session_ended: the session's status (`stopped` or
-    /// `failed`).
+    /// Only when session_ended: the session's status (`stopped`, or
+    /// `failed` or `completed` for a session that ended so).
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schemars(with = "String")]
     pub session_status: Option<String>,

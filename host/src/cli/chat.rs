@@ -232,13 +232,16 @@ impl Chat {
         }
     }
 
-    /// Prints the turn's events until it completes or fails, asking for
-    /// approvals on the way. `message_id` is the sent message's: a Ctrl-C
-    /// before its turn started cancels the turn when it starts.
+    /// Prints the session's events until the turn followed ends, asking
+    /// for approvals on the way. With `message_id` (the message this chat
+    /// sent), that message's turn: turns of other clients' messages queued
+    /// ahead of it are shown but neither end the follow nor are cancelled,
+    /// and a Ctrl-C before its turn started cancels it when it starts.
+    /// Without (a chat resuming a busy session), the next turn to end.
     async fn follow_turn(&mut self, message_id: Option<&str>) -> anyhow::Result<()> {
         let mut in_text = false;
         let mut quiet_polls = 0u32;
-        // The turn running, as its events showed it.
+        // The turn followed, once its `turn_started` was seen.
         let mut turn: Option<String> = None;
         // Ctrl-C came before the message's turn started.
         let mut cancel_at_start = false;
@@ -273,26 +276,28 @@ impl Chat {
                             println!();
                             in_text = false;
                         }
-                        // The turn shown, not one that started after it
-                        // ended (which a queued message of another client
-                        // would start).
-                        let outcome = match &turn {
-                            Some(turn) => {
+                        // Always the turn followed, by name: never one of
+                        // another client's messages, nor one that started
+                        // after it ended.
+                        let outcome = match (&turn, message_id) {
+                            (Some(turn), _) => {
                                 self.sessions
                                     .cancel_named_turn(&self.session_id, turn)
                                     .await?
                             }
-                            None => self.sessions.cancel_turn(&self.session_id).await?,
+                            // Not started yet, or its start not read yet (a
+                            // busy worker, the runner still building it):
+                            // cancelled when its start is read, rather than
+                            // left to run unseen.
+                            (None, Some(_)) => {
+                                cancel_at_start = true;
+                                println!("  [cancelling the turn when it starts]");
+                                continue;
+                            }
+                            (None, None) => self.sessions.cancel_turn(&self.session_id).await?,
                         };
                         match outcome {
                             CancelOutcome::Cancelled { .. } => println!("  [cancelling the turn]"),
-                            // Queued, not started yet (a busy worker, or the
-                            // runner still building it): cancelled when it
-                            // starts, rather than left to run unseen.
-                            CancelOutcome::NoTurn if turn.is_none() && message_id.is_some() => {
-                                cancel_at_start = true;
-                                println!("  [cancelling the turn when it starts]");
-                            }
                             // Nothing of this chat's to wait for.
                             CancelOutcome::NoTurn if turn.is_none() => return Ok(()),
                             // It ended meanwhile; its end event follows.
@@ -305,13 +310,24 @@ impl Chat {
             quiet_polls = 0;
             for (seq, event) in events {
                 self.cursor = seq;
+                // Whether an end event ends the follow: one of the turn
+                // followed, or of this chat's message given up before its
+                // turn ran.
+                let followed = event.origin.is_none()
+                    && (message_id.is_none()
+                        || turn.as_deref() == Some(event.turn_id.as_str())
+                        || event.data["message_id"].as_str() == message_id);
                 let data = &event.data;
                 let field = |name: &str| data[name].as_str().unwrap_or("?").to_string();
                 match event.event_type.as_str() {
                     event_type::TURN_STARTED if event.origin.is_none() => {
+                        let ours =
+                            message_id.is_none() || data["message_id"].as_str() == message_id;
+                        if !ours {
+                            continue;
+                        }
                         turn = Some(event.turn_id.clone());
-                        let ours = data["message_id"].as_str() == message_id;
-                        if cancel_at_start && ours {
+                        if cancel_at_start {
                             cancel_at_start = false;
                             if let CancelOutcome::Cancelled { .. } = self
                                 .sessions
@@ -367,6 +383,17 @@ impl Chat {
                                 &arguments,
                             )
                             .await?;
+                        }
+                    }
+                    // Another client's turn ended: its text line ends too.
+                    event_type::TURN_COMPLETED
+                    | event_type::TURN_FAILED
+                    | event_type::TURN_CANCELLED
+                        if !followed =>
+                    {
+                        if in_text {
+                            println!();
+                            in_text = false;
                         }
                     }
                     event_type::TURN_COMPLETED => {

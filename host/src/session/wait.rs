@@ -68,8 +68,8 @@ pub enum TurnWait {
         interrupts: Vec<AgentInterrupt>,
     },
     /// The session ended (it was stopped) before the turn did; the turn
-    /// never ends now. `session_status` is the session's: `stopped`, or
-    /// `failed`.
+    /// never ends now. `session_status` is the session's (`stopped`, or
+    /// `failed` or `completed` for a session that ended so).
     SessionEnded {
         turn_id: Option<String>,
         session_status: String,
@@ -251,13 +251,18 @@ impl AgentSessionClient {
             if let Some(notified) = notified.as_mut().as_pin_mut() {
                 notified.enable();
             }
-            if Instant::now() >= deadline {
+            // A session seen ended gets its last read whatever the time: no
+            // event follows a stop, so the reading ends.
+            if Instant::now() >= deadline && ended.is_none() {
                 return Ok(TurnWait::Running {
                     turn_id: followed.turn_id,
                 });
             }
             let (page, next) = read(after).await?;
             let read = page.len();
+            // The session was seen ended while this page was handled: the
+            // events are read once more before the answer.
+            let mut ended_now = false;
             for (seq, event) in &page {
                 after = *seq;
                 match follow(message_id, &mut followed, event) {
@@ -275,9 +280,17 @@ impl AgentSessionClient {
                     Seen::Ended(ended) => return Ok(ended),
                     Seen::Interrupt => {
                         let turn_id = followed.turn_id.clone().unwrap_or_default();
-                        let interrupts: Vec<AgentInterrupt> = self
-                            .get_agent_snapshot(session_id)
-                            .await?
+                        let snapshot = self.get_agent_snapshot(session_id).await?;
+                        // A stopped session keeps its pending approvals, but
+                        // nobody can answer them now.
+                        if snapshot.flow_status != FlowStatus::Running {
+                            if ended.is_none() {
+                                ended = Some(snapshot.flow_status);
+                                ended_now = true;
+                            }
+                            continue;
+                        }
+                        let interrupts: Vec<AgentInterrupt> = snapshot
                             .pending_interrupts
                             .into_iter()
                             .filter(|i| i.turn_id == turn_id)
@@ -291,7 +304,7 @@ impl AgentSessionClient {
                     }
                 }
             }
-            if !caught_up(&mut after, read, next) {
+            if ended_now || !caught_up(&mut after, read, next) {
                 continue;
             }
             if let Some(status) = ended {

@@ -165,7 +165,7 @@ pub fn document() -> Value {
                     ],
                     "requestBody": s.json_body::<SendMessageBody>(),
                     "responses": with_errors(&error, json!({
-                        "200": s.json_ok::<SendAnswer>("With `wait`: the turn ended (`status` completed, failed or cancelled)"),
+                        "200": s.json_ok::<SendAnswer>("With `wait`: the turn ended (`status` completed, failed or cancelled), or the session did first (`session_ended`, with its `session_status`)"),
                         "202": s.json_ok::<SendAnswer>("Queued (or, for a retried key, queued before); with `wait`, the turn waits for an approval or still runs")
                     }), &[400, 401, 404, 409, 413, 415, 422])
                 }
