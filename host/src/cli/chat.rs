@@ -389,13 +389,15 @@ impl Chat {
                     event_type::TURN_COMPLETED
                     | event_type::TURN_FAILED
                     | event_type::TURN_CANCELLED
-                        if !followed =>
+                        if !followed && in_text =>
                     {
-                        if in_text {
-                            println!();
-                            in_text = false;
-                        }
+                        println!();
+                        in_text = false;
                     }
+                    event_type::TURN_COMPLETED
+                    | event_type::TURN_FAILED
+                    | event_type::TURN_CANCELLED
+                        if !followed => {}
                     event_type::TURN_COMPLETED => {
                         if in_text {
                             println!();
