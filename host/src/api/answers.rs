@@ -126,7 +126,8 @@ pub struct SendAnswer {
     pub session_status: Option<String>,
 }
 
-/// How a send's wait ended.
+/// How a send's wait ended (`session_ended`: the session was stopped before
+/// the turn ended, which it never will now).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum WaitStatus {
@@ -134,7 +135,6 @@ pub enum WaitStatus {
     Failed,
     Cancelled,
     WaitingForApproval,
-    /// The session was stopped before the turn ended: it never will.
     SessionEnded,
     Running,
 }

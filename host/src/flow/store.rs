@@ -225,6 +225,17 @@ pub trait FlowStore: Send + Sync + 'static {
         None
     }
 
+    /// How many times the readers of `flow_id`'s streams were woken because
+    /// its tasks were taken (a stop, a cancel), while some reader held its
+    /// [`Self::stream_signal`]; it only grows while they do. A stop appends
+    /// nothing, and its wake may reach a reader together with an append's:
+    /// a reader that sees this move looks at the flow's status. 0 when the
+    /// backend does not push.
+    fn stream_stops(&self, flow_id: &str) -> u64 {
+        let _ = flow_id;
+        0
+    }
+
     async fn create_flow(
         &self,
         flow_id: &str,

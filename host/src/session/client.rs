@@ -655,6 +655,12 @@ impl AgentSessionClient {
         self.client.store().stream_signal(session_id)
     }
 
+    /// How many times the session's readers were woken by a stop or a
+    /// cancel (see [`crate::flow::FlowStore::stream_stops`]).
+    pub fn event_stops(&self, session_id: &str) -> u64 {
+        self.client.store().stream_stops(session_id)
+    }
+
     pub async fn read_events(
         &self,
         session_id: &str,

@@ -9,7 +9,8 @@
 //! the wait. Only the host's own events count (a guest cannot write these
 //! types, and events a guest wrote are skipped anyway). A session that ends
 //! first (a stop, here or in another process) ends the wait too: a stop
-//! appends nothing, so a waiter that finds nothing new looks at the
+//! appends nothing, so a waiter that finds nothing new, or whose flow's
+//! readers were woken by a stop since it last looked, looks at the
 //! session's status. Waiting changes nothing: a waiter that goes away (a
 //! client that disconnects) leaves the turn running.
 
@@ -242,6 +243,9 @@ impl AgentSessionClient {
         // The session's status once seen ended; the read after that one
         // saw every event it will ever have.
         let mut ended: Option<FlowStatus> = None;
+        // The stop wakes counted when the status was last read (or the wait
+        // began): one since may have reached the waiter with an append's.
+        let mut stops_seen = self.event_stops(session_id);
         loop {
             // Armed before the read, so that an append between the read and
             // the wait still wakes it.
@@ -313,10 +317,13 @@ impl AgentSessionClient {
                     session_status: status.as_str().to_string(),
                 });
             }
-            // Nothing new: the wake may have been a stop (which appends
-            // nothing). Read once more after seeing it, since the turn may
-            // have ended between that read and the stop.
-            if read == 0 {
+            // Nothing new, or a stop's wake counted since the last look: the
+            // wake may have been a stop (which appends nothing). Read once
+            // more after seeing it, since the turn may have ended between
+            // that read and the stop.
+            let stops = self.event_stops(session_id);
+            if read == 0 || stops != stops_seen {
+                stops_seen = stops;
                 ended = self.session_ended(session_id).await?;
                 if ended.is_some() {
                     continue;
@@ -564,6 +571,104 @@ mod tests {
                 .await
                 .expect("turn-3");
             assert_eq!(sequences(last), vec![42, 43]);
+        });
+    }
+
+    /// A stop appends nothing, and its wake may reach a waiter together
+    /// with an append's (one look of the store's watch, one batch of
+    /// PostgreSQL notifications): the waiter then reads the append, not
+    /// nothing. It looks at the session's status all the same, because the
+    /// stop's wake was counted, and answers at once, not at its fallback
+    /// read 2 s later (past this wait's 1.5 s, where it would answer
+    /// `Running`). The pages are the test's; the stop (by another process:
+    /// its wake comes from the watch alone, once), its count and the status
+    /// are the stores'.
+    #[test]
+    fn a_stop_whose_wake_came_with_an_append_ends_the_wait() {
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+        use std::sync::Arc;
+
+        use crate::flow::FlowStore;
+
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (store, sessions) = sessions_on_sqlite(dir.path());
+        let other = crate::store::sqlite::SqliteStore::open_normal_for_test(dir.path());
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async {
+            let task = |step_type: &str| crate::flow::NewTask {
+                step_type: step_type.into(),
+                input: json!({}),
+                wait: None,
+                policy: crate::flow::RetryPolicy::default(),
+                failure_route: None,
+                failure: None,
+                locks: Vec::new(),
+                not_before: 0,
+            };
+            store
+                .create_flow("s", "Agent", task("Step"))
+                .await
+                .expect("a flow");
+            // After the stop: one page with an append the stop's wake came
+            // with, then nothing.
+            let stopping = Arc::new(AtomicBool::new(false));
+            let appended = Arc::new(AtomicBool::new(false));
+            let reads = Arc::new(AtomicUsize::new(0));
+            let waiter = {
+                let (sessions, stopping, appended, reads) = (
+                    sessions.clone(),
+                    stopping.clone(),
+                    appended.clone(),
+                    reads.clone(),
+                );
+                tokio::spawn(async move {
+                    sessions
+                        .wait_reading("s", "msg-a", 0, Duration::from_millis(1500), |_| {
+                            reads.fetch_add(1, Ordering::SeqCst);
+                            let page = if stopping.load(Ordering::SeqCst)
+                                && !appended.swap(true, Ordering::SeqCst)
+                            {
+                                vec![(1, event("step_started", "turn-1", json!({})))]
+                            } else {
+                                Vec::new()
+                            };
+                            let next = if appended.load(Ordering::SeqCst) {
+                                2
+                            } else {
+                                1
+                            };
+                            std::future::ready(Ok::<_, SessionError>((page, next)))
+                        })
+                        .await
+                })
+            };
+            while reads.load(Ordering::SeqCst) == 0 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            // The store's watch looks at the new reader's flow once (a
+            // commit elsewhere), and wakes it; after that the stop moves
+            // nothing it reads but the stop count.
+            store
+                .create_flow("other", "Agent", task("Step"))
+                .await
+                .expect("another flow");
+            while reads.load(Ordering::SeqCst) < 2 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            stopping.store(true, Ordering::SeqCst);
+            assert!(other.stop_flow("s").await.expect("the stop"));
+            let waited = waiter.await.expect("the waiter").expect("a wait");
+            assert_eq!(
+                waited,
+                TurnWait::SessionEnded {
+                    turn_id: None,
+                    session_status: "stopped".to_string()
+                }
+            );
         });
     }
 

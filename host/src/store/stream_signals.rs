@@ -33,6 +33,11 @@ struct FlowSignal {
     /// other processes' commits that finds the head at exactly this value
     /// knows there is nothing else to wake for.
     local_head: Option<i64>,
+    /// How many times the flow's tasks were taken (a stop, a cancel) since
+    /// the entry was made, as its wakes reported: a stop appends nothing,
+    /// so a reader that read appends after a wake learns from this that a
+    /// wake it did not see alone may have been a stop.
+    stops: u64,
 }
 
 impl StreamSignals {
@@ -66,6 +71,7 @@ impl StreamSignals {
         let flow = FlowSignal {
             signal: Arc::downgrade(&signal),
             local_head: None,
+            stops: 0,
         };
         flows.insert(flow_id.to_string(), flow);
         signal
@@ -115,6 +121,34 @@ impl StreamSignals {
         if let Some(signal) = signal {
             signal.notify_waiters();
         }
+    }
+
+    /// Wakes the readers of `flow_id`'s streams because its tasks were
+    /// taken (a stop, or a cancel), and counts it (see [`Self::stops`]).
+    pub fn wake_stopped(&self, flow_id: &str) {
+        self.bump();
+        let signal = {
+            let mut flows = self.flows();
+            match flows.get_mut(flow_id) {
+                Some(flow) => {
+                    flow.stops = flow.stops.wrapping_add(1);
+                    flow.signal.upgrade()
+                }
+                None => None,
+            }
+        };
+        if let Some(signal) = signal {
+            signal.notify_waiters();
+        }
+    }
+
+    /// How many [`Self::wake_stopped`] wakes `flow_id`'s readers had since
+    /// its entry was made. Two wakes that come together (an append and a
+    /// stop seen in one look of a watch) reach a reader as one; a reader
+    /// that compares this before and after its read knows to look at the
+    /// flow's status even though the read found appends.
+    pub fn stops(&self, flow_id: &str) -> u64 {
+        self.flows().get(flow_id).map_or(0, |flow| flow.stops)
     }
 
     /// The highest head an appending commit of this process reported for

@@ -181,7 +181,7 @@ pub fn document() -> Value {
                 "operationId": "cancelTurn", "summary": "Cancel the running turn",
                 "description": "The turn's running guest calls are stopped on whichever worker runs them; its unfinished tool calls are recorded `cancelled` (a single-attempt write that had started, `outcome_unknown`); a note listing them goes into the history and `turn_cancelled` ends the turn. Queued messages stay queued and the session goes on. With `turn_id`, only that turn is cancelled: a cancel sent late (a retry, a stale page) leaves the next turn alone and answers `cancelled: false` with the `running_turn_id`.",
                 "parameters": [session_param(),
-                    {"name": "turn_id", "in": "query", "description": "Cancel only if this is the running turn", "schema": {"type": "string"}}],
+                    {"name": "turn_id", "in": "query", "description": "Cancel only if this is the running turn (an empty one is a 400)", "schema": {"type": "string", "minLength": 1}}],
                 "responses": with_errors(&error, json!({"200": s.json_ok::<TurnCancel>("Whether a turn was running and is being cancelled")}), &[400, 401, 404, 409])
             }},
             "/v1/sessions/{session_id}/stop": {"post": {

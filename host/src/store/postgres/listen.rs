@@ -237,7 +237,7 @@ async fn run(
                     // nothing: its readers look again too.
                     for flow_id in revoked {
                         signals.revocations.wake(&flow_id);
-                        signals.streams.wake(&flow_id);
+                        signals.streams.wake_stopped(&flow_id);
                     }
                 }
                 // Bounded: a connection that went quiet (half-open TCP) is

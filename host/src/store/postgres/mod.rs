@@ -173,6 +173,10 @@ impl FlowStore for PostgresStore {
         Some(self.inner.signals.streams.stream(flow_id))
     }
 
+    fn stream_stops(&self, flow_id: &str) -> u64 {
+        self.inner.signals.streams.stops(flow_id)
+    }
+
     fn revocation_signal(&self, flow_id: &str) -> Option<Arc<Notify>> {
         Some(self.inner.signals.revocations.stream(flow_id))
     }
@@ -227,7 +231,7 @@ impl FlowStore for PostgresStore {
         if stopped {
             self.inner.signals.revocations.wake(flow_id);
             // Its event streams and waiters end (a stop appends nothing).
-            self.inner.signals.streams.wake(flow_id);
+            self.inner.signals.streams.wake_stopped(flow_id);
         }
         Ok(stopped)
     }

@@ -35,6 +35,10 @@ impl FlowStore for SqliteStore {
         Some(self.inner.streams.stream(flow_id))
     }
 
+    fn stream_stops(&self, flow_id: &str) -> u64 {
+        self.inner.streams.stops(flow_id)
+    }
+
     fn revocation_signal(&self, flow_id: &str) -> Option<Arc<Notify>> {
         Some(self.inner.revocations.stream(flow_id))
     }
@@ -88,7 +92,7 @@ impl FlowStore for SqliteStore {
         if stopped {
             self.inner.revocations.wake(flow_id);
             // Its event streams and waiters end (a stop appends nothing).
-            self.inner.streams.wake(flow_id);
+            self.inner.streams.wake_stopped(flow_id);
         }
         Ok(stopped)
     }

@@ -51,7 +51,7 @@ pub(super) fn spawn_stream_watch(
             let mut revoked = StreamHeads::new(REVOCATIONS, false, false);
             // The same counts, for the flows readers wait on (a stop by
             // another process ends their streams and waits).
-            let mut stopped = StreamHeads::new(REVOCATIONS, false, false);
+            let mut stopped = StreamHeads::new(REVOCATIONS, false, false).counting_stops();
             loop {
                 std::thread::sleep(WATCH_INTERVAL);
                 let (Some(signals), Some(revocations)) = (signals.upgrade(), revocations.upgrade())
@@ -98,6 +98,9 @@ struct StreamHeads {
     /// them left needs no wake.
     skip_local: bool,
     heads: HashMap<String, i64>,
+    /// Whether a move is a take of the flow's tasks, which its readers
+    /// count (`StreamSignals::wake_stopped`).
+    counts_stops: bool,
 }
 
 impl StreamHeads {
@@ -107,6 +110,23 @@ impl StreamHeads {
             wake_new_at_zero,
             skip_local,
             heads: HashMap::new(),
+            counts_stops: false,
+        }
+    }
+
+    /// The same, for counts of takes that wake readers as stops.
+    fn counting_stops(mut self) -> Self {
+        self.counts_stops = true;
+        self
+    }
+
+    /// Wakes `flow_id`'s readers.
+    fn wake(&self, signals: &StreamSignals, flow_id: &str, signal: &tokio::sync::Notify) {
+        if self.counts_stops {
+            signals.wake_stopped(flow_id);
+        } else {
+            signals.bump();
+            signal.notify_waiters();
         }
     }
 
@@ -126,9 +146,8 @@ impl StreamHeads {
                 Ok(heads) => heads,
                 Err(err) => {
                     tracing::debug!(error = %err, "cannot read stream heads; waking their readers");
-                    signals.bump();
-                    for (_, signal) in chunk {
-                        signal.notify_waiters();
+                    for (flow_id, signal) in chunk {
+                        self.wake(signals, flow_id, signal);
                     }
                     woken += chunk.len();
                     continue;
@@ -146,8 +165,7 @@ impl StreamHeads {
                 // cannot make this look skip a head of another's commit.
                 let woken_here = self.skip_local && signals.local_head(flow_id) == Some(head);
                 if moved && !woken_here {
-                    signals.bump();
-                    signal.notify_waiters();
+                    self.wake(signals, flow_id, signal);
                     woken += 1;
                 }
             }
@@ -352,6 +370,9 @@ mod tests {
             tokio::time::timeout(Duration::from_secs(10), stopped)
                 .await
                 .expect("woken for another process's stop");
+            // Counted as a stop: a reader woken by it together with an
+            // append looks at the flow's status all the same.
+            assert_eq!(here.inner.streams.stops("f"), 1);
         });
     }
 }
