@@ -290,7 +290,12 @@ async fn a_wait_ends_when_its_session_is_stopped_before_the_turn_ends() {
     ]}))
     .await;
     served.start("s1").await;
-    let waiting = tokio::spawn(served.send_request("s1", "think", "?wait=25").send());
+    let waiting = tokio::spawn(
+        served
+            .send_request("s1", "think", "?wait=25")
+            .header("Idempotency-Key", "k1")
+            .send(),
+    );
     let mut running = false;
     for _ in 0..500 {
         if served.snapshot("s1").await["state"]["active_turn_id"] == "turn-1" {
@@ -317,6 +322,18 @@ async fn a_wait_ends_when_its_session_is_stopped_before_the_turn_ends() {
     assert_eq!(waited["status"], "session_ended", "{waited}");
     assert_eq!(waited["session_status"], "stopped", "{waited}");
     assert_eq!(waited["turn_id"], "turn-1", "{waited}");
+    // A retry after the stop finds the turn's events, not nothing, and no
+    // stop's wake during its wait: it looks at the status all the same.
+    let retry = served
+        .send_request("s1", "think", "?wait=1")
+        .header("Idempotency-Key", "k1")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(retry.status(), StatusCode::OK);
+    let retry: Value = retry.json().await.unwrap();
+    assert_eq!(retry["replayed"], true, "{retry}");
+    assert_eq!(retry["status"], "session_ended", "{retry}");
 }
 
 /// A stopped session keeps its pending approvals, but nobody can answer

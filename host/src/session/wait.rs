@@ -243,13 +243,17 @@ impl AgentSessionClient {
         // The session's status once seen ended; the read after that one
         // saw every event it will ever have.
         let mut ended: Option<FlowStatus> = None;
-        // The stop wakes counted when the status was last read (or the wait
-        // began): one since may have reached the waiter with an append's.
-        let mut stops_seen = self.event_stops(session_id);
+        // The stop wakes counted when the status was last read; none yet,
+        // so the first pass at the head reads it (the session may have been
+        // stopped before this wait, or before its signal was taken). A stop
+        // since may have reached the waiter with an append's wake.
+        let mut stops_seen: Option<u64> = None;
+        // Held for the whole wait: the flow's entry (and its stop count)
+        // stays, and the store's watch keeps looking at the flow.
+        let signal = self.event_signal(session_id);
         loop {
             // Armed before the read, so that an append between the read and
             // the wait still wakes it.
-            let signal = self.event_signal(session_id);
             let notified = signal.as_ref().map(|signal| signal.notified());
             tokio::pin!(notified);
             if let Some(notified) = notified.as_mut().as_pin_mut() {
@@ -322,8 +326,8 @@ impl AgentSessionClient {
             // more after seeing it, since the turn may have ended between
             // that read and the stop.
             let stops = self.event_stops(session_id);
-            if read == 0 || stops != stops_seen {
-                stops_seen = stops;
+            if read == 0 || stops_seen != Some(stops) {
+                stops_seen = Some(stops);
                 ended = self.session_ended(session_id).await?;
                 if ended.is_some() {
                     continue;
@@ -613,23 +617,21 @@ mod tests {
                 .create_flow("s", "Agent", task("Step"))
                 .await
                 .expect("a flow");
-            // After the stop: one page with an append the stop's wake came
-            // with, then nothing.
-            let stopping = Arc::new(AtomicBool::new(false));
+            // The first read after the stop's wake was counted: one page
+            // with an append the wake came with; nothing before or after.
             let appended = Arc::new(AtomicBool::new(false));
             let reads = Arc::new(AtomicUsize::new(0));
             let waiter = {
-                let (sessions, stopping, appended, reads) = (
+                let (sessions, store, appended, reads) = (
                     sessions.clone(),
-                    stopping.clone(),
+                    store.clone(),
                     appended.clone(),
                     reads.clone(),
                 );
                 tokio::spawn(async move {
                     sessions
                         .wait_reading("s", "msg-a", 0, Duration::from_millis(1500), |_| {
-                            reads.fetch_add(1, Ordering::SeqCst);
-                            let page = if stopping.load(Ordering::SeqCst)
+                            let page = if store.stream_stops("s") > 0
                                 && !appended.swap(true, Ordering::SeqCst)
                             {
                                 vec![(1, event("step_started", "turn-1", json!({})))]
@@ -641,14 +643,21 @@ mod tests {
                             } else {
                                 1
                             };
+                            reads.fetch_add(1, Ordering::SeqCst);
                             std::future::ready(Ok::<_, SessionError>((page, next)))
                         })
                         .await
                 })
             };
-            while reads.load(Ordering::SeqCst) == 0 {
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
+            let reached = |n: usize| {
+                let reads = reads.clone();
+                tokio::time::timeout(Duration::from_secs(10), async move {
+                    while reads.load(Ordering::SeqCst) < n {
+                        tokio::time::sleep(Duration::from_millis(1)).await;
+                    }
+                })
+            };
+            reached(1).await.expect("the waiter's first read");
             // The store's watch looks at the new reader's flow once (a
             // commit elsewhere), and wakes it; after that the stop moves
             // nothing it reads but the stop count.
@@ -656,16 +665,82 @@ mod tests {
                 .create_flow("other", "Agent", task("Step"))
                 .await
                 .expect("another flow");
-            while reads.load(Ordering::SeqCst) < 2 {
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
-            stopping.store(true, Ordering::SeqCst);
+            reached(2)
+                .await
+                .expect("the watch's first look at the flow woke the waiter");
             assert!(other.stop_flow("s").await.expect("the stop"));
             let waited = waiter.await.expect("the waiter").expect("a wait");
             assert_eq!(
                 waited,
                 TurnWait::SessionEnded {
                     turn_id: None,
+                    session_status: "stopped".to_string()
+                }
+            );
+        });
+    }
+
+    /// A session stopped before the wait began (a keyed retry of a send
+    /// whose session was stopped since): the first read finds the turn's
+    /// old events, not nothing, and no stop's wake comes during the wait.
+    /// The waiter looks at the status at its first pass at the head all the
+    /// same, and answers at once (not `Running` at its deadline).
+    #[test]
+    fn a_wait_on_a_session_stopped_before_it_began_ends_at_its_first_look() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::Arc;
+
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (store, sessions) = sessions_on_sqlite(dir.path());
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async {
+            let first = crate::flow::NewTask {
+                step_type: "Step".into(),
+                input: json!({}),
+                wait: None,
+                policy: crate::flow::RetryPolicy::default(),
+                failure_route: None,
+                failure: None,
+                locks: Vec::new(),
+                not_before: 0,
+            };
+            store
+                .create_flow("s", "Agent", first)
+                .await
+                .expect("a flow");
+            assert!(store.stop_flow("s").await.expect("the stop"));
+            // The store's watch (every 10 ms) sees these commits before the
+            // waiter reads: its first look at a new reader's flow would wake
+            // the waiter, and that wake, not the first look at the status,
+            // would end the wait.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            // The turn's events, then nothing (no event follows a stop).
+            let read_once = Arc::new(AtomicBool::new(false));
+            let waited = sessions
+                .wait_reading("s", "msg-a", 0, Duration::from_millis(1500), |_| {
+                    let page = if read_once.swap(true, Ordering::SeqCst) {
+                        Vec::new()
+                    } else {
+                        vec![(
+                            1,
+                            event(
+                                event_type::TURN_STARTED,
+                                "turn-1",
+                                json!({"sequence": 1, "message_id": "msg-a"}),
+                            ),
+                        )]
+                    };
+                    std::future::ready(Ok::<_, SessionError>((page, 2)))
+                })
+                .await
+                .expect("a wait");
+            assert_eq!(
+                waited,
+                TurnWait::SessionEnded {
+                    turn_id: Some("turn-1".to_string()),
                     session_status: "stopped".to_string()
                 }
             );

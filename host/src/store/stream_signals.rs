@@ -162,10 +162,20 @@ impl StreamSignals {
         self.flows().get(flow_id).and_then(|flow| flow.local_head)
     }
 
-    /// Wakes every reader (a notification may have been missed).
+    /// Wakes every reader (a notification may have been missed, a stop's
+    /// too: each counts one, see [`Self::stops`]).
     pub fn wake_all(&self) {
         self.bump();
-        for (_, signal) in self.read() {
+        let signals: Vec<Arc<Notify>> = self
+            .flows()
+            .values_mut()
+            .filter_map(|flow| {
+                let signal = flow.signal.upgrade()?;
+                flow.stops = flow.stops.wrapping_add(1);
+                Some(signal)
+            })
+            .collect();
+        for signal in signals {
             signal.notify_waiters();
         }
     }
@@ -182,6 +192,26 @@ impl StreamSignals {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A stop's wake and a wake of every reader (after a lost notification,
+    /// which may have been a stop's) count for the flows read; a plain wake
+    /// does not.
+    #[test]
+    fn a_stop_and_a_wake_of_every_reader_count_a_plain_wake_does_not() {
+        let signals = StreamSignals::default();
+        let reader = signals.stream("a");
+        assert_eq!(signals.stops("a"), 0);
+        signals.wake("a");
+        signals.wake_committed("a", 3);
+        assert_eq!(signals.stops("a"), 0, "appends");
+        signals.wake_stopped("a");
+        assert_eq!(signals.stops("a"), 1, "a stop");
+        signals.wake_all();
+        assert_eq!(signals.stops("a"), 2, "a wake of every reader");
+        signals.wake_stopped("nobody-reads");
+        assert_eq!(signals.stops("nobody-reads"), 0);
+        drop(reader);
+    }
 
     #[test]
     fn a_flow_signal_is_shared_by_its_readers_and_gone_with_the_last() {
